@@ -1,0 +1,226 @@
+"""Device catalog and cluster specification.
+
+A cluster YAML lists groups of identical nodes; global ranks follow the listed
+order, node-major (rank = devices of all earlier nodes + local index)::
+
+    version: 1
+    name: b2b4-64
+    inter_node_gbps: 200      # between nodes of the same device type
+    inter_type_gbps: 100      # between nodes of different types (default: inter_node_gbps)
+    intra_node_gbps: 1536     # optional; default: each type's catalog link_gbps
+    device_types:             # optional: override catalog fields or define new types
+      910B4: {memory_gb: 32}
+      cpu-slow: {base: cpu, emulate_speed: 0.25}
+    nodes:
+      - {type: 910B2, devices_per_node: 8, count: 4}
+      - {type: 910B4, devices_per_node: 8, count: 4}
+
+``emulate_speed`` (CPU runs only) tells the runtime to stretch the compute of ranks
+of that type by 1/emulate_speed, so heterogeneity can be shown on one machine.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from eth.errors import SpecError
+
+CLUSTER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """Facts about one accelerator type, as the planner sees it."""
+
+    name: str
+    tflops: float
+    """Dense fp16/bf16 peak, TFLOP/s."""
+    memory_gb: float
+    """Device memory, GB (10^9 bytes)."""
+    link_gbps: float
+    """Intra-node interconnect per device, Gbit/s."""
+    mem_bw_gbs: float
+    """Memory bandwidth, GB/s (used for memory-bound ops in analytic profiles)."""
+    source: str = ""
+    """Where the numbers come from."""
+    emulate_speed: float = 0.0
+    """CPU emulation only: relative speed (1 = native); 0 = no emulation."""
+
+    def __post_init__(self):
+        for name in ("tflops", "memory_gb", "link_gbps", "mem_bw_gbs"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"device type {self.name}: {name} must be a positive number, got {value!r}")
+        if not isinstance(self.emulate_speed, (int, float)) or self.emulate_speed < 0:
+            raise SpecError(f"device type {self.name}: emulate_speed must be >= 0, got {self.emulate_speed!r}")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+
+_TYPE_FIELDS = {f.name for f in fields(DeviceType)} - {"name"}
+
+
+@functools.lru_cache(maxsize=1)
+def catalog() -> dict[str, DeviceType]:
+    """The shipped device catalog (eth/data/devices.yaml)."""
+    text = resources.files("eth").joinpath("data/devices.yaml").read_text()
+    data = yaml.safe_load(text)
+    return {name: DeviceType(name=name, **entry) for name, entry in data["devices"].items()}
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    type: str
+    devices_per_node: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Device:
+    rank: int
+    node: int
+    local: int
+    type: str
+
+
+@dataclass
+class Cluster:
+    """A validated cluster: node groups, device types and bandwidths."""
+
+    name: str
+    nodes: list[NodeGroup]
+    types: dict[str, DeviceType]
+    inter_node_gbps: float
+    inter_type_gbps: float = 0.0
+    intra_node_gbps: float = 0.0
+    devices: list[Device] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not self.nodes:
+            raise SpecError("cluster.nodes is empty")
+        if self.inter_type_gbps == 0.0:
+            self.inter_type_gbps = self.inter_node_gbps
+        for key in ("inter_node_gbps", "inter_type_gbps", "intra_node_gbps"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and key != "intra_node_gbps"):
+                raise SpecError(f"cluster.{key} must be a positive number, got {value!r}")
+        devices, node = [], 0
+        for i, group in enumerate(self.nodes):
+            if group.type not in self.types:
+                raise SpecError(f"cluster.nodes[{i}].type {group.type!r} is not in the device catalog "
+                                f"or cluster.device_types (known: {', '.join(sorted(self.types))})")
+            for key in ("devices_per_node", "count"):
+                value = getattr(group, key)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise SpecError(f"cluster.nodes[{i}].{key} must be a positive integer, got {value!r}")
+            for _ in range(group.count):
+                for local in range(group.devices_per_node):
+                    devices.append(Device(len(devices), node, local, group.type))
+                node += 1
+        self.devices = devices
+        self.types = {name: t for name, t in self.types.items() if name in {g.type for g in self.nodes}}
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def type_of(self, rank: int) -> DeviceType:
+        return self.types[self.devices[rank].type]
+
+    def type_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for d in self.devices:
+            counts[d.type] = counts.get(d.type, 0) + 1
+        return counts
+
+    def link_gbps(self, ranks) -> float:
+        """Bandwidth of the slowest link a collective over ``ranks`` crosses (Gbit/s)."""
+        ranks = list(ranks)
+        nodes = {self.devices[r].node for r in ranks}
+        if len(nodes) <= 1:
+            kind = self.type_of(ranks[0])
+            return self.intra_node_gbps or kind.link_gbps
+        if len({self.devices[r].type for r in ranks}) == 1:
+            return self.inter_node_gbps
+        return self.inter_type_gbps
+
+    def to_dict(self) -> dict:
+        """Self-contained form (device types resolved); embedded in plans."""
+        return {
+            "version": CLUSTER_VERSION,
+            "name": self.name,
+            "inter_node_gbps": self.inter_node_gbps,
+            "inter_type_gbps": self.inter_type_gbps,
+            "intra_node_gbps": self.intra_node_gbps,
+            "device_types": {n: {k: v for k, v in asdict(t).items() if k != "name"}
+                             for n, t in sorted(self.types.items())},
+            "nodes": [asdict(g) for g in self.nodes],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "cluster") -> "Cluster":
+        if not isinstance(data, dict):
+            raise SpecError(f"{where} must be a mapping, got {type(data).__name__}")
+        known = {"version", "name", "inter_node_gbps", "inter_type_gbps", "intra_node_gbps",
+                 "device_types", "nodes"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+        version = data.get("version", CLUSTER_VERSION)
+        if version != CLUSTER_VERSION:
+            raise SpecError(f"{where}.version is {version}, this release reads version {CLUSTER_VERSION}")
+        if "inter_node_gbps" not in data:
+            raise SpecError(f"{where}.inter_node_gbps is missing")
+        types = dict(catalog())
+        for name, entry in (data.get("device_types") or {}).items():
+            if not isinstance(entry, dict):
+                raise SpecError(f"{where}.device_types.{name} must be a mapping")
+            entry = dict(entry)
+            base_name = entry.pop("base", name)
+            bad = sorted(set(entry) - _TYPE_FIELDS)
+            if bad:
+                raise SpecError(f"{where}.device_types.{name} has unknown field(s) {bad}; "
+                                f"known: {sorted(_TYPE_FIELDS | {'base'})}")
+            if base_name in types:
+                types[name] = replace(types[base_name], name=name, **entry)
+            else:
+                missing = sorted({"tflops", "memory_gb", "link_gbps", "mem_bw_gbs"} - set(entry))
+                if missing:
+                    raise SpecError(f"{where}.device_types.{name} is not in the catalog and lacks {missing}")
+                types[name] = DeviceType(name=name, **entry)
+        nodes_raw = data.get("nodes")
+        if not isinstance(nodes_raw, list):
+            raise SpecError(f"{where}.nodes must be a list of {{type, devices_per_node, count}}")
+        nodes = []
+        for i, entry in enumerate(nodes_raw):
+            if not isinstance(entry, dict) or "type" not in entry or "devices_per_node" not in entry:
+                raise SpecError(f"{where}.nodes[{i}] needs type and devices_per_node, got {entry!r}")
+            bad = sorted(set(entry) - {"type", "devices_per_node", "count"})
+            if bad:
+                raise SpecError(f"{where}.nodes[{i}] has unknown field(s) {bad}")
+            nodes.append(NodeGroup(str(entry["type"]), entry["devices_per_node"], entry.get("count", 1)))
+        return cls(name=str(data.get("name", "cluster")), nodes=nodes, types=types,
+                   inter_node_gbps=data["inter_node_gbps"],
+                   inter_type_gbps=data.get("inter_type_gbps", 0.0),
+                   intra_node_gbps=data.get("intra_node_gbps", 0.0) or 0.0)
+
+
+def load_cluster(path) -> Cluster:
+    """Read and validate a cluster YAML file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"cluster file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"cluster file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    cluster = Cluster.from_dict(data, where=f"cluster {path.name}")
+    if cluster.name == "cluster":
+        cluster.name = path.stem
+    return cluster

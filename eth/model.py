@@ -1,0 +1,234 @@
+"""Model specification: GPT presets and the per-op shape formulas of one GPT layer.
+
+A GPT layer is decomposed into the 13 operators of the design (the granularity at
+which the planner places layers and chooses recomputation):
+
+    1st-layernorm, qkv, score, softmax, attn-dropout, context, attn-dense,
+    post-attn-dropout, 2nd-layernorm, mlp-gemm-1, gelu, mlp-gemm-2, post-mlp-dropout
+
+plus three non-layer ops: ``embedding`` (before layer 0), ``final-layernorm`` and
+``head+loss`` (after the last layer).  :func:`op_shapes` gives, for a micro-batch of
+``mbs`` samples on one tensor-parallel rank of degree ``tp``:
+
+    flops_fwd / flops_bwd   floating point operations (backward = 2x forward)
+    weight_bytes            parameter bytes held by one tp rank (half precision)
+    act_bytes               activation bytes saved for backward
+    input_bytes/output_bytes  size of the op's input and output
+    traffic_bytes           bytes read+written in forward (for memory-bound ops)
+    is_gemm                 True for matrix multiplies (compute bound)
+
+Notation: b = mbs, s = seq_len, h = hidden, a = heads, t = tp, f = ffn,
+E = bytes per activation element (2: fp16/bf16).  Tensor parallelism follows
+Megatron-LM: qkv and mlp-gemm-1 are column-parallel, attn-dense and mlp-gemm-2
+row-parallel, the embedding and the output head are vocab-parallel.  With tp > 1 the
+forward pass all-reduces the outputs of attn-dense, mlp-gemm-2 and the embedding, and
+the backward pass all-reduces the input gradients of qkv, mlp-gemm-1 and the head:
+see :func:`tp_allreduce_bytes`.  This module is pure arithmetic (no torch).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from eth.errors import SpecError
+
+LAYER_OPS = (
+    "1st-layernorm", "qkv", "score", "softmax", "attn-dropout", "context", "attn-dense",
+    "post-attn-dropout", "2nd-layernorm", "mlp-gemm-1", "gelu", "mlp-gemm-2",
+    "post-mlp-dropout",
+)
+PRE_OPS = ("embedding",)
+POST_OPS = ("final-layernorm", "head+loss")
+ALL_OPS = PRE_OPS + LAYER_OPS + POST_OPS
+
+ACT_BYTES = 2  # fp16/bf16 activations in the cost model
+MASK_BYTES = 1  # dropout masks are stored as bytes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer (GPT-3 style, optionally LLaMA-style GQA + SwiGLU)."""
+
+    name: str
+    """Preset or user name; only used for display and profile look-up messages."""
+    num_layers: int
+    """Number of transformer layers L."""
+    hidden: int
+    """Hidden size h."""
+    heads: int
+    """Attention heads a (h must divide by a)."""
+    ffn: int = 0
+    """MLP inner size f; 0 means 4 * hidden."""
+    seq_len: int = 2048
+    """Sequence length s."""
+    vocab: int = 50304
+    """Vocabulary size (already padded; 50304 = GPT-2 BPE padded to a multiple of 128)."""
+    kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means equal to heads."""
+    swiglu: bool = False
+    """Gated MLP (SwiGLU): mlp-gemm-1 produces 2 * ffn outputs."""
+    dropout: float = 0.1
+    """Hidden and attention dropout probability (0 disables the dropout ops' masks)."""
+
+    def __post_init__(self):
+        if self.ffn == 0:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for name in ("num_layers", "hidden", "heads", "ffn", "seq_len", "vocab", "kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise SpecError(f"model.hidden {self.hidden} is not divisible by model.heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise SpecError(f"model.heads {self.heads} is not divisible by model.kv_heads {self.kv_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SpecError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def check_tp(self, tp: int) -> None:
+        """Raise SpecError unless ``tp`` splits heads, kv heads, ffn and vocab evenly."""
+        for name, value in (("heads", self.heads), ("kv_heads", self.kv_heads),
+                            ("ffn", self.ffn), ("vocab", self.vocab)):
+            if value % tp:
+                raise SpecError(f"tp {tp} does not divide model.{name} {value}")
+
+    def params_per_layer(self) -> int:
+        """Parameters of one transformer layer (all tp ranks together)."""
+        h, f = self.hidden, self.ffn
+        qkv = h + 2 * self.kv_heads * self.head_dim
+        f1 = 2 * f if self.swiglu else f
+        return (2 * h) + (h * qkv + qkv) + (h * h + h) + (2 * h) + (h * f1 + f1) + (f * h + h)
+
+    def num_params(self) -> int:
+        """All parameters: layers, word + position embedding, final layernorm, untied head."""
+        h = self.hidden
+        return (self.num_layers * self.params_per_layer() + self.vocab * h + self.seq_len * h
+                + 2 * h + self.vocab * h)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "model") -> "ModelSpec":
+        if not isinstance(data, dict):
+            raise SpecError(f"{where} must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+        missing = [n for n in ("name", "num_layers", "hidden", "heads") if n not in data]
+        if missing:
+            raise SpecError(f"{where} is missing field(s) {missing}")
+        return cls(**data)
+
+
+# Table 2 of the paper (layers, hidden); heads keep a head dimension of 64-128 as in
+# GPT-3 / Megatron-LM.  LLaMA-2 70B uses its published shape (GQA 8, SwiGLU 28672).
+PRESETS = {
+    "gpt3-350m": ModelSpec("gpt3-350m", 24, 1024, 16),
+    "gpt3-1.3b": ModelSpec("gpt3-1.3b", 24, 2048, 16),
+    "gpt3-2.6b": ModelSpec("gpt3-2.6b", 32, 2560, 32),
+    "gpt3-6.7b": ModelSpec("gpt3-6.7b", 32, 4096, 32),
+    "gpt3-13b": ModelSpec("gpt3-13b", 40, 5120, 40),
+    "llama2-70b": ModelSpec("llama2-70b", 80, 8192, 64, ffn=28672, vocab=32000, kv_heads=8,
+                            swiglu=True, dropout=0.0),
+    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96),
+    # Small shapes for CPU training runs and tests.
+    "tiny": ModelSpec("tiny", 4, 64, 4, seq_len=32, vocab=256, dropout=0.0),
+    "small": ModelSpec("small", 8, 128, 8, seq_len=64, vocab=512, dropout=0.0),
+}
+
+
+def get_model(name: str, **overrides) -> ModelSpec:
+    """Preset by name, with optional field overrides (e.g. ``seq_len=4096``)."""
+    if name not in PRESETS:
+        raise SpecError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class OpShape:
+    """Size facts of one op for one micro-batch on one tp rank (see module docstring)."""
+
+    name: str
+    flops_fwd: float
+    flops_bwd: float
+    weight_bytes: int
+    act_bytes: int
+    input_bytes: int
+    output_bytes: int
+    traffic_bytes: int
+    is_gemm: bool
+
+
+def _op(name, flops, weights, act, inp, out, traffic=None, gemm=False):
+    traffic = inp + out if traffic is None else traffic
+    return OpShape(name, float(flops), 2.0 * flops, int(weights), int(act), int(inp), int(out),
+                   int(traffic), gemm)
+
+
+def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
+    """Shapes of every op in :data:`ALL_OPS` for ``mbs`` samples on one rank of ``tp``."""
+    if mbs <= 0:
+        raise SpecError(f"mbs must be positive, got {mbs}")
+    spec.check_tp(tp)
+    b, s, h, a, t, f, E = mbs, spec.seq_len, spec.hidden, spec.heads, tp, spec.ffn, ACT_BYTES
+    v = spec.vocab
+    kvd = spec.kv_heads * spec.head_dim          # width of k (and of v)
+    qkv = h + 2 * kvd                            # width of the fused qkv output
+    f1 = 2 * f if spec.swiglu else f             # width of mlp-gemm-1's output
+    tok = b * s * h * E                          # one full hidden activation
+    att = b * (a // t) * s * s                   # elements of one tp rank's attention matrix
+    drop = spec.dropout > 0
+    mask_h = b * s * h * MASK_BYTES if drop else 0
+    mask_a = att * MASK_BYTES if drop else 0
+    ln_w = 2 * h * E
+
+    ops = [
+        _op("embedding", b * s * h, (v // t * h + s * h) * E, b * s * 8 + mask_h, b * s * 8, tok),
+        _op("1st-layernorm", 8 * b * s * h, ln_w, tok + b * s * 8, tok, tok),
+        _op("qkv", 2 * b * s * h * qkv // t, (h * qkv + qkv) // t * E, tok, tok, b * s * qkv // t * E,
+            gemm=True),
+        _op("score", 2 * b * s * s * h // t, 0, b * s * (h + kvd) // t * E,
+            b * s * (h + kvd) // t * E, att * E, gemm=True),
+        _op("softmax", 5 * att, 0, att * E, att * E, att * E),
+        _op("attn-dropout", 2 * att, 0, mask_a, att * E, att * E, 2 * att * E + mask_a),
+        _op("context", 2 * b * s * s * h // t, 0, att * E + b * s * kvd // t * E,
+            att * E + b * s * kvd // t * E, b * s * h // t * E, gemm=True),
+        _op("attn-dense", 2 * b * s * h * h // t, (h * h // t + h) * E, b * s * h // t * E,
+            b * s * h // t * E, tok, gemm=True),
+        _op("post-attn-dropout", 3 * b * s * h, 0, mask_h, 2 * tok, tok, 3 * tok + mask_h),
+        _op("2nd-layernorm", 8 * b * s * h, ln_w, tok + b * s * 8, tok, tok),
+        _op("mlp-gemm-1", 2 * b * s * h * f1 // t, (h * f1 + f1) // t * E, tok, tok,
+            b * s * f1 // t * E, gemm=True),
+        _op("gelu", 8 * b * s * f1 // t, 0, b * s * f1 // t * E, b * s * f1 // t * E,
+            b * s * f // t * E),
+        _op("mlp-gemm-2", 2 * b * s * f * h // t, (f * h // t + h) * E, b * s * f // t * E,
+            b * s * f // t * E, tok, gemm=True),
+        _op("post-mlp-dropout", 3 * b * s * h, 0, mask_h, 2 * tok, tok, 3 * tok + mask_h),
+        _op("final-layernorm", 8 * b * s * h, ln_w, tok + b * s * 8, tok, tok),
+        # Untied output layer (vocab-parallel) + vocab-parallel cross entropy in fp32.
+        _op("head+loss", 2 * b * s * h * v // t + 6 * b * s * v // t, v // t * h * E,
+            tok + b * s * v // t * 4, tok, b * s * 4, tok + 3 * b * s * v // t * 4, gemm=True),
+    ]
+    return {op.name: op for op in ops}
+
+
+def tp_allreduce_bytes(spec: ModelSpec, mbs: int, part: str) -> tuple[int, int]:
+    """(forward, backward) all-reduce bytes per tp rank when tp > 1, for one micro-batch.
+
+    ``part`` is "layer" (one transformer layer), "pre" (embedding) or "post"
+    (final layernorm + head + loss).
+    """
+    tok = mbs * spec.seq_len * spec.hidden * ACT_BYTES
+    if part == "layer":
+        return 2 * tok, 2 * tok       # attn-dense + mlp-gemm-2 out; qkv + mlp-gemm-1 in-grad
+    if part == "pre":
+        return tok, 0                 # vocab-parallel embedding output
+    if part == "post":
+        return 3 * mbs * spec.seq_len * 4, tok  # CE max/sum/target logits; head input-grad
+    raise ValueError(part)

@@ -1,0 +1,254 @@
+"""The HPP plan: dataclasses, versioned JSON (de)serialisation and validation.
+
+A plan is self-contained: it embeds the model spec and the resolved cluster, so the
+runtime needs only the plan file.  JSON layout (version 1)::
+
+    {"version": 1, "model": {...ModelSpec...}, "cluster": {...Cluster.to_dict()...},
+     "gbs": 1024, "seq_len": 2048,
+     "pipelines": [{"mbs": 4, "lbs": 344, "predicted": {...},
+                    "stages": [{"ranks": [0, 1, 2, 3], "device_type": "910B4",
+                                "tp": 4, "dp": 1, "layers": [0, 4],
+                                "recompute": {"softmax": 4}, "predicted": {...}}]}],
+     "predicted": {"iteration_ms": ...}, "search": {...}, "hash": "..."}
+
+Conventions (the runtime relies on them):
+  * global rank order = cluster device order (node-major);
+  * inside a stage, ``ranks[dp_rank * tp + tp_rank]`` (tp is the fastest dimension);
+  * pipeline i trains on samples [sum(lbs[:i]), sum(lbs[:i+1])) of each global batch;
+  * ``recompute[op] = n`` recomputes ``op`` in the first n layers of the stage.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eth.cluster import Cluster
+from eth.errors import PlanError, SpecError
+from eth.model import LAYER_OPS, ModelSpec
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class StagePlan:
+    ranks: list[int]
+    """Global ranks of the stage; ranks[dp_rank * tp + tp_rank]."""
+    device_type: str
+    """Device type of every rank in the stage."""
+    tp: int
+    dp: int
+    layers: tuple[int, int]
+    """Transformer layers [start, end)."""
+    recompute: dict[str, int] = field(default_factory=dict)
+    """Op name -> number of the stage's layers (the first ones) in which it is recomputed."""
+    predicted: dict = field(default_factory=dict)
+    """Cost-model predictions (fwd_ms, bwd_ms, memory_gb, ...), informational."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def rank(self, tp_rank: int, dp_rank: int) -> int:
+        return self.ranks[dp_rank * self.tp + tp_rank]
+
+    def to_dict(self) -> dict:
+        return {"ranks": list(self.ranks), "device_type": self.device_type, "tp": self.tp,
+                "dp": self.dp, "layers": list(self.layers), "recompute": dict(self.recompute),
+                "predicted": dict(self.predicted)}
+
+
+@dataclass
+class PipelinePlan:
+    mbs: int
+    """Micro-batch size of the pipeline (split over each stage's dp replicas)."""
+    lbs: int
+    """Local batch size: samples of each global batch this pipeline trains on."""
+    stages: list[StagePlan]
+    predicted: dict = field(default_factory=dict)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.lbs // self.mbs
+
+    @property
+    def ranks(self) -> list[int]:
+        return [r for s in self.stages for r in s.ranks]
+
+    def to_dict(self) -> dict:
+        return {"mbs": self.mbs, "lbs": self.lbs, "predicted": dict(self.predicted),
+                "stages": [s.to_dict() for s in self.stages]}
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    cluster: Cluster
+    gbs: int
+    pipelines: list[PipelinePlan]
+    predicted: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(s.ranks) for p in self.pipelines for s in p.stages)
+
+    def content_hash(self) -> str:
+        """Hash of model + cluster + pipelines (not of predictions or search metadata)."""
+        body = json.dumps([self.model.to_dict(), self.cluster.to_dict(), self.gbs,
+                           [p.to_dict() | {"predicted": {}, "stages": [s.to_dict() | {"predicted": {}}
+                                                                      for s in p.stages]}
+                            for p in self.pipelines]], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "model": self.model.to_dict(),
+                "cluster": self.cluster.to_dict(), "gbs": self.gbs,
+                "seq_len": self.model.seq_len,
+                "pipelines": [p.to_dict() for p in self.pipelines],
+                "predicted": dict(self.predicted), "search": dict(self.search),
+                "hash": self.content_hash()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError("plan must be a JSON object")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan.version is {version!r}, this release reads version {PLAN_VERSION}")
+        for key in ("model", "cluster", "gbs", "pipelines"):
+            if key not in data:
+                raise PlanError(f"plan.{key} is missing")
+        model = ModelSpec.from_dict(data["model"], where="plan.model")
+        if "seq_len" in data and data["seq_len"] != model.seq_len:
+            raise PlanError(f"plan.seq_len {data['seq_len']} != plan.model.seq_len {model.seq_len}")
+        cluster = Cluster.from_dict(data["cluster"], where="plan.cluster")
+        if not isinstance(data["pipelines"], list) or not data["pipelines"]:
+            raise PlanError("plan.pipelines must be a non-empty list")
+        pipelines = []
+        for i, p in enumerate(data["pipelines"]):
+            where = f"plan.pipelines[{i}]"
+            _require(p, ("mbs", "lbs", "stages"), where)
+            if not isinstance(p["stages"], list) or not p["stages"]:
+                raise PlanError(f"{where}.stages must be a non-empty list")
+            stages = []
+            for j, s in enumerate(p["stages"]):
+                _require(s, ("ranks", "device_type", "tp", "dp", "layers"), f"{where}.stages[{j}]")
+                layers = s["layers"]
+                if not (isinstance(layers, list) and len(layers) == 2):
+                    raise PlanError(f"{where}.stages[{j}].layers must be [start, end), got {layers!r}")
+                stages.append(StagePlan(list(s["ranks"]), s["device_type"], s["tp"], s["dp"],
+                                        (layers[0], layers[1]), dict(s.get("recompute", {})),
+                                        dict(s.get("predicted", {}))))
+            pipelines.append(PipelinePlan(p["mbs"], p["lbs"], stages, dict(p.get("predicted", {}))))
+        return cls(model, cluster, data["gbs"], pipelines, dict(data.get("predicted", {})),
+                   dict(data.get("search", {})), version)
+
+    def validate(self) -> "Plan":
+        """Raise PlanError naming the field and numbers for the first inconsistency."""
+        _positive_int(self.gbs, "plan.gbs")
+        used: dict[int, str] = {}
+        world = self.cluster.world_size
+        for i, p in enumerate(self.pipelines):
+            where = f"plan.pipelines[{i}]"
+            _positive_int(p.mbs, f"{where}.mbs")
+            _positive_int(p.lbs, f"{where}.lbs")
+            if p.lbs % p.mbs:
+                raise PlanError(f"{where}: lbs {p.lbs} is not a multiple of mbs {p.mbs}")
+            expect = 0
+            for j, s in enumerate(p.stages):
+                sw = f"{where}.stages[{j}]"
+                _positive_int(s.tp, f"{sw}.tp")
+                _positive_int(s.dp, f"{sw}.dp")
+                if s.tp * s.dp != len(s.ranks):
+                    raise PlanError(f"{sw}: tp {s.tp} x dp {s.dp} = {s.tp * s.dp} "
+                                    f"but the stage has {len(s.ranks)} ranks")
+                if p.mbs % s.dp:
+                    raise PlanError(f"{sw}: pipeline mbs {p.mbs} is not divisible by stage dp {s.dp}")
+                try:
+                    self.model.check_tp(s.tp)
+                except SpecError as exc:
+                    raise PlanError(f"{sw}: {exc}") from None
+                start, end = s.layers
+                if start != expect or end <= start:
+                    raise PlanError(f"{sw}.layers is [{start}, {end}) but must start at layer "
+                                    f"{expect} and hold at least one layer")
+                expect = end
+                for op, n in s.recompute.items():
+                    if op not in LAYER_OPS:
+                        raise PlanError(f"{sw}.recompute names unknown op {op!r}")
+                    if not isinstance(n, int) or not 0 <= n <= s.num_layers:
+                        raise PlanError(f"{sw}.recompute[{op!r}] is {n!r}, must be in "
+                                        f"[0, {s.num_layers}] (the stage's layers)")
+                for r in s.ranks:
+                    if not isinstance(r, int) or not 0 <= r < world:
+                        raise PlanError(f"{sw}.ranks has {r!r}, cluster ranks are 0..{world - 1}")
+                    if r in used:
+                        raise PlanError(f"rank {r} is used twice: {used[r]} and {sw}")
+                    used[r] = sw
+                    actual = self.cluster.devices[r].type
+                    if actual != s.device_type:
+                        raise PlanError(f"{sw}.device_type is {s.device_type!r} but cluster rank {r} "
+                                        f"is a {actual!r}")
+            if expect != self.model.num_layers:
+                raise PlanError(f"{where} covers layers [0, {expect}) but the model has "
+                                f"{self.model.num_layers} layers")
+        if len(used) != world:
+            missing = sorted(set(range(world)) - set(used))
+            raise PlanError(f"plan uses {len(used)} ranks but the cluster has {world}; "
+                            f"unused ranks: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        total = sum(p.lbs for p in self.pipelines)
+        if total < self.gbs:
+            raise PlanError(f"sum of pipeline lbs {total} is below gbs {self.gbs}")
+        return self
+
+    def save(self, path) -> None:
+        """Validate, then write atomically (temp file + rename)."""
+        self.validate()
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def load_plan(path) -> Plan:
+    """Read, parse and validate a plan JSON file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"plan file {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
+    return Plan.from_dict(data).validate()
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _require(obj, keys, where):
+    if not isinstance(obj, dict):
+        raise PlanError(f"{where} must be an object")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise PlanError(f"{where} is missing field(s) {missing}")
+
+
+def _positive_int(value, where):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PlanError(f"{where} must be a positive integer, got {value!r}")
