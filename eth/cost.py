@@ -1,0 +1,315 @@
+"""Cost model: stage latency, device memory and pipeline time (paper section 4.2.3).
+
+Stage time (one micro-batch of ``mbs`` samples; each of the stage's ``dp`` replicas
+processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
+
+    Tf_j = sum over ops of fwd(op, mbs/dp, tp)           profiled op times
+         + TP all-reduces (forward)                        collective_ms, tp group link
+         + p2p send of the output activation (not last stage)
+    Tb_j = sum over ops of bwd(op, mbs/dp, tp)
+         + recompute: fwd(op) for every recomputed op and layer
+         + TP all-reduces (backward, and re-done forward ones of recomputed ops)
+         + p2p send of the input gradient (not first stage)
+    T_j  = Tf_j + Tb_j
+
+Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
+
+    weights, grads, optimizer states = params on the device x bytes_per_param (16:
+        fp32 Adam with mixed precision 2+2+4+4+4, or pure fp32 4+4+4+4)
+    + activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
+        min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
+        contiguous run of recomputed ops in a layer frees its saved activations but
+        keeps the input of the run's first op (the checkpoint)
+    + reserved bytes (framework context and workspace, from the profile)
+
+Pipeline time, Eq. 1 (stage search, batch B = Gbs or Lbs) -- :func:`eq1_pipeline_ms`:
+
+    sum_j T_j + max_j T_j * (B / Mbs - 1)
+
+End time of stage j of pipeline i, Eq. 5 (batch allocation) -- :func:`eq5_end_times`:
+
+    Te_i^j = sum_k Tf_i^k + max_k T_i^k * (Lbs_i / Mbs_i - 1) + sum_{k>=j} Tb_i^k + AR_i^j
+
+All-Reduce of a gradient block, Eq. 6 -- :func:`eq6_allreduce_ms`:
+
+    AR = 2 * Gra * (N - 1) / (N * BW)
+
+AR_i^j for a stage (:meth:`CostModel.stage_allreduce_ms`) sums Eq. 6 over the stage's
+layers: a layer's gradient held by the device (params / tp x grad bytes) is reduced
+over N = sum over pipelines of the dp degree of the stage that holds that layer (the
+block-wise All-Reduce partitions at the largest tp, so each block has one holder per
+dp replica of every pipeline), over the slowest link among those ranks.  Iteration
+time of a plan (:meth:`CostModel.evaluate`) is max over pipelines and stages of Te.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eth.cluster import Cluster
+from eth.errors import SpecError
+from eth.model import ACT_BYTES, LAYER_OPS, ModelSpec, tp_allreduce_bytes
+from eth.profiles import ProfileDB, collective_ms
+
+PRE_OPS_ONLY = ("embedding",)
+POST_OPS_ONLY = ("final-layernorm", "head+loss")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-micro-batch times (ms) and per-device memory (bytes) of one stage."""
+
+    fwd_ms: float
+    bwd_ms: float
+    recompute_ms: float
+    """Part of bwd_ms spent re-running forward ops."""
+    comm_ms: float
+    """Part of fwd_ms + bwd_ms spent in TP collectives and stage-boundary p2p."""
+    params: float
+    """Parameters held by one device."""
+    act_bytes: float
+    """Saved activations of one micro-batch on one device, after recompute."""
+    inflight: int
+    memory_bytes: float
+    capacity_bytes: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.capacity_bytes
+
+
+def eq1_pipeline_ms(costs, batch: int, mbs: int) -> float:
+    """Eq. 1: sum_j T_j + max_j T_j * (batch / mbs - 1)."""
+    totals = [c.total_ms for c in costs]
+    return sum(totals) + max(totals) * (batch / mbs - 1)
+
+
+def eq5_end_times(costs, lbs: int, mbs: int, ar_ms=None) -> list[float]:
+    """Eq. 5: end time Te^j of every stage j of one pipeline with ``lbs`` samples."""
+    if lbs <= 0:
+        return [0.0] * len(costs)
+    ar_ms = ar_ms or [0.0] * len(costs)
+    head = sum(c.fwd_ms for c in costs) + max(c.total_ms for c in costs) * (lbs / mbs - 1)
+    ends, tail = [], 0.0
+    for j in range(len(costs) - 1, -1, -1):
+        tail += costs[j].bwd_ms
+        ends.append(head + tail + ar_ms[j])
+    return ends[::-1]
+
+
+def eq6_allreduce_ms(grad_bytes: float, n: int, gbps: float) -> float:
+    """Eq. 6: 2 * Gra * (N - 1) / (N * BW), BW in Gbit/s, result in ms."""
+    if n <= 1 or grad_bytes <= 0:
+        return 0.0
+    bytes_per_ms = gbps * 1e9 / 8 / 1e3
+    return 2 * grad_bytes * (n - 1) / (n * bytes_per_ms)
+
+
+def recompute_runs(recomputed: set[str]) -> list[list[str]]:
+    """Maximal runs of consecutive LAYER_OPS that are all recomputed."""
+    runs, run = [], []
+    for op in LAYER_OPS:
+        if op in recomputed:
+            run.append(op)
+        elif run:
+            runs.append(run)
+            run = []
+    if run:
+        runs.append(run)
+    return runs
+
+
+@dataclass
+class CostModel:
+    """Predicts stage/pipeline/plan times and memory from a profile database."""
+
+    model: ModelSpec
+    cluster: Cluster
+    profiles: ProfileDB
+    bytes_per_param: float = 16.0
+    """Weights + grads + optimizer states per parameter."""
+    grad_bytes: float = 4.0
+    """Bytes per gradient element in the data-parallel All-Reduce (fp32 main grads)."""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ stages
+    def stage_cost(self, device_type: str, tp: int, dp: int, layers: tuple[int, int], mbs: int,
+                   recompute: dict[str, int] | None = None, stage_index: int = 0,
+                   num_stages: int = 1, num_microbatches: int | None = None,
+                   ranks=None, next_ranks=None) -> StageCost:
+        """Cost of one stage; see the module docstring for the formulas."""
+        if mbs % dp:
+            raise SpecError(f"mbs {mbs} is not divisible by dp {dp}")
+        recompute = {op: n for op, n in (recompute or {}).items() if n > 0}
+        start, end = layers
+        first, last = start == 0, end == self.model.num_layers
+        key = (device_type, tp, dp, end - start, first, last, mbs, tuple(sorted(recompute.items())),
+               stage_index, num_stages, num_microbatches,
+               self._link(device_type, ranks, tp), self._p2p_link(device_type, ranks, next_ranks))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        micro = mbs // dp
+        ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
+        nl = end - start
+        layer_ops = [ops[op] for op in LAYER_OPS]
+        fwd = nl * sum(c.fwd_ms for c in layer_ops)
+        bwd = nl * sum(c.bwd_ms for c in layer_ops)
+        weights = nl * sum(c.weight_bytes for c in layer_ops)
+        act = nl * sum(c.act_bytes for c in layer_ops)
+        recompute_ms = sum(ops[op].fwd_ms * n for op, n in recompute.items())
+        act -= self._recompute_savings(ops, recompute)
+        extra = (PRE_OPS_ONLY if first else ()) + (POST_OPS_ONLY if last else ())
+        for op in extra:
+            fwd += ops[op].fwd_ms
+            bwd += ops[op].bwd_ms
+            weights += ops[op].weight_bytes
+            act += ops[op].act_bytes
+
+        comm = 0.0
+        if tp > 1:
+            link = self._link(device_type, ranks, tp)
+            parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
+            for part, count in parts:
+                f_bytes, b_bytes = tp_allreduce_bytes(self.model, micro, part)
+                comm_f = count * collective_ms("all_reduce", tp, f_bytes, link)
+                comm_b = count * collective_ms("all_reduce", tp, b_bytes, link)
+                fwd += comm_f
+                bwd += comm_b
+                comm += comm_f + comm_b
+            # recomputing a row-parallel GEMM repeats its forward all-reduce
+            redo = recompute.get("attn-dense", 0) + recompute.get("mlp-gemm-2", 0)
+            if redo:
+                per = collective_ms("all_reduce", tp, tp_allreduce_bytes(self.model, micro, "layer")[0] / 2, link)
+                recompute_ms += redo * per
+                comm += redo * per
+        bwd += recompute_ms
+        boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES
+        p2p_link = self._p2p_link(device_type, ranks, next_ranks)
+        if not last:
+            t = collective_ms("p2p", 2, boundary, p2p_link)
+            fwd += t
+            comm += t
+        if not first:
+            t = collective_ms("p2p", 2, boundary, self._link(device_type, ranks, 1))
+            bwd += t
+            comm += t
+
+        params = weights / ACT_BYTES
+        inflight = num_stages - stage_index
+        if num_microbatches is not None:
+            inflight = max(1, min(inflight, num_microbatches))
+        memory = params * self.bytes_per_param + inflight * max(act, 0.0) + reserved
+        capacity = self.cluster.types[device_type].memory_bytes
+        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity)
+        self._cache[key] = cost
+        return cost
+
+    @staticmethod
+    def _recompute_savings(ops, recompute: dict[str, int]) -> float:
+        """Activation bytes freed by recomputation, summed over the stage's layers."""
+        if not recompute:
+            return 0.0
+        saved, prev = 0.0, 0
+        # layers [prev, n) recompute exactly the ops whose count exceeds prev
+        for n in sorted(set(recompute.values())):
+            ops_here = {op for op, k in recompute.items() if k >= n}
+            per_layer = 0.0
+            for run in recompute_runs(ops_here):
+                per_layer += max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0)
+            saved += (n - prev) * per_layer
+            prev = n
+        return saved
+
+    def _link(self, device_type, ranks, tp):
+        if ranks is None or tp <= 1:
+            return self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
+        return self.cluster.link_gbps(list(ranks)[:tp])
+
+    def _p2p_link(self, device_type, ranks, next_ranks):
+        if ranks is None or not next_ranks:
+            return self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
+        return self.cluster.link_gbps([list(ranks)[0], list(next_ranks)[0]])
+
+    def pipeline_costs(self, pipeline, num_microbatches: int | None = None) -> list[StageCost]:
+        """StageCost of every stage of a pipeline (a PipelinePlan or alike)."""
+        stages = pipeline.stages
+        n_mb = num_microbatches if num_microbatches is not None else max(pipeline.lbs // pipeline.mbs, 1)
+        return [self.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute,
+                                j, len(stages), n_mb, s.ranks,
+                                stages[j + 1].ranks if j + 1 < len(stages) else None)
+                for j, s in enumerate(stages)]
+
+    # ------------------------------------------------------------------ all-reduce
+    def stage_allreduce_ms(self, pipelines) -> list[list[float]]:
+        """AR_i^j (ms) for every stage j of every pipeline i (see module docstring)."""
+        L = self.model.num_layers
+        per_layer = self.model.params_per_layer()
+        h, v, s = self.model.hidden, self.model.vocab, self.model.seq_len
+        result, groups = [], {}
+        for i, p in enumerate(pipelines):
+            row = []
+            for st in p.stages:
+                total = 0.0
+                start, end = st.layers
+                l = start
+                while l < end:
+                    holders = [self._stage_of(q, l) for q in pipelines]
+                    # the holder set is constant until any holder's stage ends
+                    span_end = min([end] + [hs.layers[1] for hs in holders])
+                    n = sum(hs.dp for hs in holders)
+                    key = tuple(id(hs) for hs in holders)
+                    if key not in groups:
+                        groups[key] = self.cluster.link_gbps([r for hs in holders for r in hs.ranks])
+                    grad = per_layer / st.tp * self.grad_bytes
+                    total += (span_end - l) * eq6_allreduce_ms(grad, n, groups[key])
+                    l = span_end
+                for edge, params in (("first", v * h + s * h), ("last", v * h + 2 * h)):
+                    holds = (start == 0) if edge == "first" else (end == L)
+                    if holds:
+                        holders = [q.stages[0] if edge == "first" else q.stages[-1] for q in pipelines]
+                        n = sum(hs.dp for hs in holders)
+                        gbps = self.cluster.link_gbps([r for hs in holders for r in hs.ranks])
+                        total += eq6_allreduce_ms(params / st.tp * self.grad_bytes, n, gbps)
+                row.append(total)
+            result.append(row)
+        return result
+
+    @staticmethod
+    def _stage_of(pipeline, layer):
+        for st in pipeline.stages:
+            if st.layers[0] <= layer < st.layers[1]:
+                return st
+        raise SpecError(f"no stage holds layer {layer}")
+
+    # ------------------------------------------------------------------ plans
+    def evaluate(self, plan) -> dict:
+        """Predicted times and memory of a whole plan (Eq. 5 with Eq. 6)."""
+        ar = self.stage_allreduce_ms(plan.pipelines)
+        pipes = []
+        for i, p in enumerate(plan.pipelines):
+            costs = self.pipeline_costs(p)
+            ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
+            pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
+                          "pipeline_ms": max(ends) if ends else 0.0})
+        iteration = max(pp["pipeline_ms"] for pp in pipes)
+        feasible = all(c.fits for pp in pipes for c in pp["costs"])
+        return {"iteration_ms": iteration, "feasible": feasible, "pipelines": pipes}
+
+    def annotate(self, plan) -> dict:
+        """Fill plan/pipeline/stage ``predicted`` fields from :meth:`evaluate`."""
+        ev = self.evaluate(plan)
+        for p, pp in zip(plan.pipelines, ev["pipelines"]):
+            p.predicted = {"pipeline_ms": round(pp["pipeline_ms"], 4),
+                           "eq1_ms": round(eq1_pipeline_ms(pp["costs"], p.lbs, p.mbs), 4)}
+            for st, c, end, arm in zip(p.stages, pp["costs"], pp["end_ms"], pp["ar_ms"]):
+                st.predicted = {"fwd_ms": round(c.fwd_ms, 4), "bwd_ms": round(c.bwd_ms, 4),
+                                "recompute_ms": round(c.recompute_ms, 4),
+                                "allreduce_ms": round(arm, 4), "end_ms": round(end, 4),
+                                "memory_gb": round(c.memory_bytes / 1e9, 4),
+                                "capacity_gb": round(c.capacity_bytes / 1e9, 4)}
+        plan.predicted = {"iteration_ms": round(ev["iteration_ms"], 4), "feasible": ev["feasible"]}
+        return ev

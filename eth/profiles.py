@@ -1,0 +1,406 @@
+"""Profile database: per-op costs of a model shape on a device type.
+
+One JSON file per device type (``profiles/<device>.json``), version 1::
+
+    {"version": 1, "device": "A100", "source": "analytic" | "measured" | "aceso-csv",
+     "provenance": {...what was measured / which datasheet and efficiency factors...},
+     "op_fields": ["fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes",
+                   "output_bytes"],
+     "models": [{"name": "gpt3-13b", "shape": {hidden, heads, kv_heads, ffn, seq_len,
+                 vocab, swiglu, dropout},
+                 "entries": [{"mbs": 1, "tp": 1, "reserved_bytes": 1.0e9,
+                              "ops": {"qkv": [fwd_ms, bwd_ms, ...], ...}}, ...]}],
+     "collectives": {"all_reduce": {"2": [[bytes, ms], ...]}, "p2p": {...}}}   # optional
+
+A model is matched by its *shape* (everything that changes one layer's cost; the
+layer count does not).  Look-up rules for ``mbs`` that was not profiled (``tp`` must
+be profiled exactly, since it changes the sharding):
+
+  * between two profiled sizes: linear interpolation of every field;
+  * above the largest: linear extrapolation through the two largest (proportional
+    scaling when only one size exists);
+  * below the smallest: proportional scaling (time and activations x mbs/m0) - this is
+    optimistic for small kernels and is reported as such.
+
+Analytic profiles (``analytic_profile``) use a roofline: a GEMM takes
+``flops / (peak * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_MS``, any other op
+``bytes moved / (memory bandwidth * MEMORY_EFFICIENCY) + KERNEL_OVERHEAD_MS``;
+backward moves/computes twice the forward.  Collectives use an alpha-beta model
+(:func:`collective_ms`) with the cluster's bandwidths unless the profile carries a
+measured table for that collective and group size.
+"""
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from eth.cluster import DeviceType
+from eth.errors import ProfileError
+from eth.model import ALL_OPS, ModelSpec, op_shapes
+from eth.plan import atomic_write_text
+
+PROFILE_VERSION = 1
+OP_FIELDS = ("fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes", "output_bytes")
+SHAPE_FIELDS = ("hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "swiglu", "dropout")
+
+# Analytic efficiency factors (documented assumptions, see docs/FORMATS.md).
+GEMM_EFFICIENCY = 0.6        # fraction of dense peak a large fp16 GEMM reaches
+MEMORY_EFFICIENCY = 0.7      # fraction of memory bandwidth an elementwise kernel reaches
+KERNEL_OVERHEAD_MS = 0.01    # launch + synchronisation cost per op and pass
+RESERVED_BYTES = 1.0e9       # framework context + allocator workspace per device
+COLLECTIVE_ALPHA_MS = 0.005  # per-step latency of a ring collective / p2p message
+DEFAULT_MBS = (1, 2, 4, 8, 16, 32)
+DEFAULT_TP = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    fwd_ms: float
+    bwd_ms: float
+    weight_bytes: float
+    act_bytes: float
+    input_bytes: float
+    output_bytes: float
+
+
+def shape_key(model: ModelSpec) -> tuple:
+    return tuple(getattr(model, f) for f in SHAPE_FIELDS)
+
+
+def _shape_text(shape: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in zip(SHAPE_FIELDS, shape))
+
+
+class DeviceProfile:
+    """Profiles of one device type (possibly for several model shapes)."""
+
+    def __init__(self, data: dict, where: str = "profile"):
+        self.where = where
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where} must be a JSON object")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"{where}.version is {data.get('version')!r}, "
+                               f"this release reads version {PROFILE_VERSION}")
+        for key in ("device", "source", "models"):
+            if key not in data:
+                raise ProfileError(f"{where}.{key} is missing")
+        if tuple(data.get("op_fields", OP_FIELDS)) != OP_FIELDS:
+            raise ProfileError(f"{where}.op_fields is {data.get('op_fields')}, expected {list(OP_FIELDS)}")
+        self.data = data
+        self.device = data["device"]
+        self.source = data["source"]
+        # shape -> {tp: sorted [(mbs, {op: OpCost}, reserved)]}
+        self._table: dict[tuple, dict[int, list]] = {}
+        self._names: dict[tuple, str] = {}
+        for i, m in enumerate(data["models"]):
+            mw = f"{where}.models[{i}]"
+            try:
+                shape = tuple(m["shape"][f] for f in SHAPE_FIELDS)
+            except (KeyError, TypeError):
+                raise ProfileError(f"{mw}.shape must give {list(SHAPE_FIELDS)}") from None
+            self._names[shape] = m.get("name", "?")
+            by_tp = self._table.setdefault(shape, {})
+            for j, e in enumerate(m.get("entries", [])):
+                ew = f"{mw}.entries[{j}]"
+                mbs, tp = e.get("mbs"), e.get("tp")
+                if not (isinstance(mbs, int) and mbs > 0 and isinstance(tp, int) and tp > 0):
+                    raise ProfileError(f"{ew}: mbs and tp must be positive integers, got {mbs!r}, {tp!r}")
+                ops = {}
+                for op in ALL_OPS:
+                    values = e.get("ops", {}).get(op)
+                    if not (isinstance(values, list) and len(values) == len(OP_FIELDS)):
+                        raise ProfileError(f"{ew}.ops[{op!r}] must be a list of {len(OP_FIELDS)} "
+                                           f"numbers {list(OP_FIELDS)}, got {values!r}")
+                    if any(not isinstance(v, (int, float)) or v < 0 for v in values):
+                        raise ProfileError(f"{ew}.ops[{op!r}] has a negative or non-numeric value: {values}")
+                    ops[op] = OpCost(*map(float, values))
+                by_tp.setdefault(tp, []).append((mbs, ops, float(e.get("reserved_bytes", RESERVED_BYTES))))
+            for tp, rows in by_tp.items():
+                rows.sort(key=lambda r: r[0])
+                mbs_list = [r[0] for r in rows]
+                if len(set(mbs_list)) != len(mbs_list):
+                    raise ProfileError(f"{mw} lists mbs {mbs_list} twice for tp {tp}")
+        self._cache: dict = {}
+
+    def shapes(self) -> list[tuple]:
+        return list(self._table)
+
+    def tps(self, model: ModelSpec) -> list[int]:
+        return sorted(self._table.get(shape_key(model), {}))
+
+    def layer_costs(self, model: ModelSpec, mbs: float, tp: int) -> tuple[dict[str, OpCost], float]:
+        """({op: OpCost} for every op, reserved bytes) at ``mbs`` samples and ``tp``."""
+        key = (shape_key(model), mbs, tp)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        by_tp = self._table.get(key[0])
+        if by_tp is None:
+            raise ProfileError(f"profile {self.where} ({self.device}) has no entry for model "
+                               f"{model.name} ({_shape_text(key[0])}); generate one with "
+                               f"tools/make_profiles.py or tools/profile_ops.py")
+        rows = by_tp.get(tp)
+        if rows is None:
+            raise ProfileError(f"profile {self.where} ({self.device}) for model {model.name} has no "
+                               f"tp {tp}; profiled tp: {sorted(by_tp)}")
+        result = _interpolate(rows, mbs)
+        self._cache[key] = result
+        return result
+
+    def collective_table(self, kind: str, n: int):
+        table = (self.data.get("collectives") or {}).get(kind, {}).get(str(n))
+        return sorted(table) if table else None
+
+
+def _interpolate(rows, mbs):
+    sizes = [r[0] for r in rows]
+    i = bisect.bisect_left(sizes, mbs)
+    if i < len(sizes) and sizes[i] == mbs:
+        return rows[i][1], rows[i][2]
+    if len(rows) == 1 or i == 0:
+        m0, ops0, res0 = rows[0] if i == 0 else rows[-1]
+        scale = mbs / m0
+        return {op: _scale(c, scale) for op, c in ops0.items()}, res0
+    if i == len(rows):
+        (m0, ops0, res0), (m1, ops1, _) = rows[-2], rows[-1]
+    else:
+        (m0, ops0, res0), (m1, ops1, _) = rows[i - 1], rows[i]
+    w = (mbs - m0) / (m1 - m0)
+    return {op: OpCost(*(a + w * (b - a) if f != "weight_bytes" else a
+                         for f, a, b in zip(OP_FIELDS, _vals(ops0[op]), _vals(ops1[op]))))
+            for op in ops0}, res0
+
+
+def _vals(c: OpCost):
+    return (c.fwd_ms, c.bwd_ms, c.weight_bytes, c.act_bytes, c.input_bytes, c.output_bytes)
+
+
+def _scale(c: OpCost, s: float) -> OpCost:
+    return OpCost(c.fwd_ms * s, c.bwd_ms * s, c.weight_bytes, c.act_bytes * s,
+                  c.input_bytes * s, c.output_bytes * s)
+
+
+class ProfileDB:
+    """All device profiles the planner may use, keyed by device type name."""
+
+    def __init__(self, profiles: dict[str, DeviceProfile] | None = None):
+        self.profiles: dict[str, DeviceProfile] = dict(profiles or {})
+
+    def add(self, profile: DeviceProfile) -> None:
+        self.profiles[profile.device] = profile
+
+    def get(self, device: str) -> DeviceProfile:
+        if device not in self.profiles:
+            raise ProfileError(f"no profile for device type {device!r}; loaded: "
+                               f"{', '.join(sorted(self.profiles)) or 'none'}")
+        return self.profiles[device]
+
+    def layer_costs(self, device: str, model: ModelSpec, mbs: float, tp: int):
+        return self.get(device).layer_costs(model, mbs, tp)
+
+    @classmethod
+    def load(cls, path) -> "ProfileDB":
+        """Load one JSON file or every ``*.json`` in a folder."""
+        path = Path(path)
+        if path.is_dir():
+            files = sorted(path.glob("*.json"))
+            if not files:
+                raise ProfileError(f"profile folder {path} has no *.json files")
+        elif path.exists():
+            files = [path]
+        else:
+            raise ProfileError(f"profile path {path} does not exist")
+        db = cls()
+        for f in files:
+            db.add(load_profile(f))
+        return db
+
+    def ensure(self, model: ModelSpec, device_types, mbs=DEFAULT_MBS, tp=DEFAULT_TP) -> list[str]:
+        """Add analytic entries for device types that lack ``model``; returns their names."""
+        added = []
+        for dt in device_types:
+            prof = self.profiles.get(dt.name)
+            if prof is not None and shape_key(model) in prof.shapes():
+                continue
+            data = prof.data if prof is not None else None
+            self.add(DeviceProfile(analytic_profile(dt, [model], mbs, tp, base=data)))
+            added.append(dt.name)
+        return added
+
+
+def load_profile(path) -> DeviceProfile:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile file {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile file {path} is not valid JSON: {exc}") from None
+    return DeviceProfile(data, where=path.name)
+
+
+def save_profile(data: dict, path) -> None:
+    DeviceProfile(data, where=str(path))  # validate before writing
+    atomic_write_text(path, json.dumps(data, indent=None, separators=(",", ":")) + "\n")
+
+
+def analytic_op_costs(device: DeviceType, model: ModelSpec, mbs: int, tp: int) -> dict[str, list]:
+    """Roofline op costs (see module docstring) as profile rows."""
+    peak = device.tflops * 1e12 * GEMM_EFFICIENCY / 1e3       # flop per ms
+    bw = device.mem_bw_gbs * 1e9 * MEMORY_EFFICIENCY / 1e3     # bytes per ms
+    rows = {}
+    for name, s in op_shapes(model, mbs, tp).items():
+        fwd = (s.flops_fwd / peak if s.is_gemm else s.traffic_bytes / bw) + KERNEL_OVERHEAD_MS
+        bwd = (s.flops_bwd / peak if s.is_gemm else 2 * s.traffic_bytes / bw) + KERNEL_OVERHEAD_MS
+        rows[name] = [fwd, bwd, s.weight_bytes, s.act_bytes, s.input_bytes, s.output_bytes]
+    return rows
+
+
+def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
+                     base: dict | None = None) -> dict:
+    """A profile JSON dict for ``device`` (merged into ``base`` if given)."""
+    data = dict(base) if base else {
+        "version": PROFILE_VERSION, "device": device.name, "source": "analytic",
+        "provenance": {
+            "generator": "eth.profiles.analytic_profile (roofline)",
+            "datasheet": {"tflops": device.tflops, "memory_gb": device.memory_gb,
+                          "mem_bw_gbs": device.mem_bw_gbs, "source": device.source},
+            "gemm_efficiency": GEMM_EFFICIENCY, "memory_efficiency": MEMORY_EFFICIENCY,
+            "kernel_overhead_ms": KERNEL_OVERHEAD_MS, "reserved_bytes": RESERVED_BYTES},
+        "op_fields": list(OP_FIELDS), "models": []}
+    data["models"] = list(data["models"])
+    for model in models:
+        entries = [{"mbs": m, "tp": t, "reserved_bytes": RESERVED_BYTES,
+                    "ops": analytic_op_costs(device, model, m, t)}
+                   for t in tp if _tp_ok(model, t) for m in mbs]
+        data["models"].append({"name": model.name,
+                               "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
+                               "entries": entries})
+    return data
+
+
+def _tp_ok(model: ModelSpec, tp: int) -> bool:
+    return all(v % tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
+
+
+# ----------------------------------------------------------------------------------
+# Collectives: alpha-beta model, or a measured table when the profile has one.
+
+def collective_ms(kind: str, n: int, nbytes: float, gbps: float, profile: DeviceProfile | None = None) -> float:
+    """Time of one collective over ``n`` ranks moving ``nbytes`` per rank.
+
+    Ring all-reduce: 2(n-1)/n * bytes / bw + 2(n-1) alpha; all-gather and
+    reduce-scatter: (n-1)/n * bytes / bw + (n-1) alpha; p2p: bytes / bw + alpha.
+    """
+    if nbytes <= 0 or (n <= 1 and kind != "p2p"):
+        return 0.0
+    if profile is not None:
+        table = profile.collective_table(kind, n)
+        if table:
+            return _table_ms(table, nbytes)
+    per_ms = gbps * 1e9 / 8 / 1e3  # bytes per ms
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes / per_ms + 2 * (n - 1) * COLLECTIVE_ALPHA_MS
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes / per_ms + (n - 1) * COLLECTIVE_ALPHA_MS
+    if kind == "p2p":
+        return nbytes / per_ms + COLLECTIVE_ALPHA_MS
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _table_ms(table, nbytes):
+    sizes = [row[0] for row in table]
+    i = bisect.bisect_left(sizes, nbytes)
+    if i == 0 or len(table) == 1:
+        return table[0][1] * nbytes / table[0][0]
+    if i == len(table):
+        (b0, t0), (b1, t1) = table[-2], table[-1]
+        return t1 + (nbytes - b1) * (t1 - t0) / (b1 - b0)
+    (b0, t0), (b1, t1) = table[i - 1], table[i]
+    return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
+
+
+# ----------------------------------------------------------------------------------
+# Aceso CSV import.
+
+ACESO_FILE = re.compile(r"^(?P<model>[A-Za-z0-9.-]+)_(?P<size>[^_]+(?:_[^_]+)*?)_mbs(?P<mbs>\d+)"
+                        r"_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv$")
+ACESO_HEADER = ["op_name", "forward-compute", "backward-compute", "input_size", "output_size",
+                "weights", "activations", "fwd_reserved", "bwd_reserved"]
+# Aceso's op names (encoder prefix stripped) -> ours.
+ACESO_ALIASES = {
+    "embedding": "embedding", "encoder-embedding": "embedding",
+    "1st-layernorm": "1st-layernorm", "attention-qkv": "qkv", "attention-score": "score",
+    "attention-softmax": "softmax", "attention-dropout": "attn-dropout",
+    "attention-context": "context", "attention-dense": "attn-dense",
+    "post-attention-dropout": "post-attn-dropout", "2nd-layernorm": "2nd-layernorm",
+    "mlp-gemm-1": "mlp-gemm-1", "mlp-gelu": "gelu", "mlp-gemm-2": "mlp-gemm-2",
+    "post-mlp-dropout": "post-mlp-dropout", "final-layernorm": "final-layernorm",
+    "gpt-post-process": "head+loss", "post-process": "head+loss",
+}
+
+
+def _aceso_op(name: str) -> str | None:
+    key = name.strip().lower()
+    for prefix in ("enc-", "dec-"):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    if key in ALL_OPS:
+        return key
+    return ACESO_ALIASES.get(key)
+
+
+def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float = 2 ** 20,
+                 algo: int = 0) -> dict:
+    """Read an Aceso-style CSV folder into a profile dict for ``device``.
+
+    Files ``{model}_{size}_mbs{m}_tp{t}_algo{a}.csv`` with header ACESO_HEADER; times in
+    ms, sizes in MB (``size_unit_bytes``, Aceso's unit).  Only files of ``algo`` are read.
+    fwd_reserved/bwd_reserved: the largest value becomes the entry's reserved bytes.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ProfileError(f"Aceso profile folder {folder} does not exist")
+    entries = []
+    for path in sorted(folder.glob("*.csv")):
+        m = ACESO_FILE.match(path.name)
+        if not m or int(m["algo"]) != algo:
+            continue
+        with path.open(newline="") as fh:
+            reader = csv.reader(fh)
+            header = [h.strip() for h in next(reader, [])]
+            if header != ACESO_HEADER:
+                raise ProfileError(f"{path.name}: header is {header}, expected {ACESO_HEADER}")
+            ops, reserved = {}, 0.0
+            for lineno, row in enumerate(reader, start=2):
+                if not row or not row[0].strip():
+                    continue
+                if len(row) != len(ACESO_HEADER):
+                    raise ProfileError(f"{path.name}:{lineno}: {len(row)} columns, expected {len(ACESO_HEADER)}")
+                op = _aceso_op(row[0])
+                if op is None:
+                    raise ProfileError(f"{path.name}:{lineno}: unknown op {row[0]!r}")
+                try:
+                    fwd, bwd, inp, out, w, act, fr, br = map(float, row[1:])
+                except ValueError:
+                    raise ProfileError(f"{path.name}:{lineno}: non-numeric value in {row}") from None
+                u = size_unit_bytes
+                ops[op] = [fwd, bwd, w * u, act * u, inp * u, out * u]
+                reserved = max(reserved, fr * u, br * u)
+        missing = [op for op in ALL_OPS if op not in ops]
+        if missing:
+            raise ProfileError(f"{path.name} lacks op(s) {missing}")
+        entries.append({"mbs": int(m["mbs"]), "tp": int(m["tp"]),
+                        "reserved_bytes": reserved or RESERVED_BYTES, "ops": ops})
+    if not entries:
+        raise ProfileError(f"{folder} has no files named {{model}}_{{size}}_mbs{{m}}_tp{{t}}_algo{algo}.csv")
+    return {"version": PROFILE_VERSION, "device": device, "source": "aceso-csv",
+            "provenance": {"imported_from": str(folder), "size_unit_bytes": size_unit_bytes, "algo": algo},
+            "op_fields": list(OP_FIELDS),
+            "models": [{"name": model.name, "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
+                        "entries": entries}]}
+
