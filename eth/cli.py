@@ -1,0 +1,27 @@
+"""Shared CLI plumbing: one-line errors with exit code 2 for bad input."""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+from eth.errors import SpecError
+
+
+def run_main(main: Callable[[Sequence[str] | None], int | None], argv=None) -> int:
+    """Run ``main(argv)``; a SpecError becomes ``error: <message>`` on stderr and exit 2."""
+    try:
+        return main(argv) or 0
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def int_list(text: str) -> list[int]:
+    """Parse "1,2,4" into [1, 2, 4] (argparse type)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SpecError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise SpecError(f"expected positive integers, got {text!r}")
+    return values
