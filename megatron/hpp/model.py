@@ -1,0 +1,283 @@
+"""A GPT pipeline stage built from megatron.core.tensor_parallel layers, op by op.
+
+A stage holds transformer layers [start, end) of the model, plus the embedding (word
++ learned position, vocab-parallel word table) on a pipeline's first stage and the
+final layernorm, untied vocab-parallel output layer and vocab-parallel cross entropy
+on its last stage.  Activations are [seq, batch, hidden] (Megatron's layout).
+
+Each transformer layer runs the 13 ops of ``eth.model.LAYER_OPS`` as separate
+callables (:attr:`Layer.OPS`), so that single ops can be recomputed:
+``stage.recompute[op] = n`` wraps ``op`` of the stage's first n layers in
+``torch.utils.checkpoint`` (RNG states, including megatron's tracker, are replayed).
+
+Weights do not depend on the plan: every full parameter is drawn from a generator
+seeded by (seed, logical name) and each tp rank keeps its slice
+(:func:`full_parameter`, :class:`ShardSpec`).  The fused qkv output is ordered
+(head, q/k/v, head_dim) so that a contiguous tp slice holds whole heads.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from eth.model import LAYER_OPS, ModelSpec
+from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
+
+INIT_STD = 0.02
+LN_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a local parameter relates to the plan-independent full parameter."""
+
+    name: str
+    """Logical name, the same in every plan ("layer 3.qkv.weight", "embedding.word")."""
+    block: str
+    """Block key of the topology's hold groups ("embedding", "layer 3", "head")."""
+    full_shape: tuple
+    dim: int | None
+    """tp partition dimension; None = replicated on the tp ranks."""
+    init: str
+    """"normal", "scaled" (std / sqrt(2 L)), "zeros" or "ones"."""
+
+    def local(self, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+        return full if self.dim is None else full.chunk(tp, self.dim)[tp_rank]
+
+
+def layer_specs(spec: ModelSpec, layer: int) -> dict[str, ShardSpec]:
+    h, f, b = spec.hidden, spec.ffn, f"layer {layer}"
+    table = {"ln1.weight": ((h,), None, "ones"), "ln1.bias": ((h,), None, "zeros"),
+             "qkv.weight": ((3 * h, h), 0, "normal"), "qkv.bias": ((3 * h,), 0, "zeros"),
+             "dense.weight": ((h, h), 1, "scaled"), "dense.bias": ((h,), None, "zeros"),
+             "ln2.weight": ((h,), None, "ones"), "ln2.bias": ((h,), None, "zeros"),
+             "fc1.weight": ((f, h), 0, "normal"), "fc1.bias": ((f,), 0, "zeros"),
+             "fc2.weight": ((h, f), 1, "scaled"), "fc2.bias": ((h,), None, "zeros")}
+    return {k: ShardSpec(f"{b}.{k}", b, *v) for k, v in table.items()}
+
+
+def embedding_specs(spec: ModelSpec) -> dict[str, ShardSpec]:
+    return {"word.weight": ShardSpec("embedding.word", "embedding", (spec.vocab, spec.hidden), 0, "normal"),
+            "pos": ShardSpec("embedding.pos", "embedding", (spec.seq_len, spec.hidden), None, "normal")}
+
+
+def head_specs(spec: ModelSpec) -> dict[str, ShardSpec]:
+    h = spec.hidden
+    return {"ln.weight": ShardSpec("head.ln.weight", "head", (h,), None, "ones"),
+            "ln.bias": ShardSpec("head.ln.bias", "head", (h,), None, "zeros"),
+            "out.weight": ShardSpec("head.out.weight", "head", (spec.vocab, h), 0, "normal")}
+
+
+def all_specs(spec: ModelSpec) -> list[ShardSpec]:
+    """Every logical parameter of the model, in model order."""
+    out = list(embedding_specs(spec).values())
+    for layer in range(spec.num_layers):
+        out += layer_specs(spec, layer).values()
+    return out + list(head_specs(spec).values())
+
+
+def full_parameter(spec: ModelSpec, shard: ShardSpec, seed: int) -> torch.Tensor:
+    """The full fp32 tensor of a logical parameter; depends only on (seed, name)."""
+    if shard.init == "ones":
+        return torch.ones(shard.full_shape)
+    if shard.init == "zeros":
+        return torch.zeros(shard.full_shape)
+    std = INIT_STD if shard.init == "normal" else INIT_STD / math.sqrt(2 * spec.num_layers)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(shard.name.encode())) % 2**63)
+    return torch.randn(shard.full_shape, generator=gen) * std
+
+
+def _config():
+    from megatron.core import ModelParallelConfig
+
+    return ModelParallelConfig(use_cpu_initialization=True, perform_initialization=False,
+                               params_dtype=torch.float32)
+
+
+def _no_init(_weight):
+    """Weights are copied in from :func:`full_parameter` after construction."""
+
+
+@contextlib.contextmanager
+def _rng_replay(tracker, saved: dict, replay: bool):
+    """Forward: remember the tracker states; recompute: run with those states."""
+    if not replay:
+        saved.update(tracker.get_states())
+        yield
+        return
+    current = tracker.get_states()
+    tracker.set_states(saved)
+    try:
+        yield
+    finally:
+        tracker.set_states(current)
+
+
+class Layer(torch.nn.Module):
+    """One transformer layer as 13 op callables over named tensors."""
+
+    # (op name, method, input names, output name); "x" is the layer input.
+    OPS = (("1st-layernorm", "op_ln1", ("x",), "a"), ("qkv", "op_qkv", ("a",), "qkv"),
+           ("score", "op_score", ("qkv",), "scores"), ("softmax", "op_softmax", ("scores",), "probs"),
+           ("attn-dropout", "op_attn_dropout", ("probs",), "probs_d"),
+           ("context", "op_context", ("probs_d", "qkv"), "ctx"),
+           ("attn-dense", "op_attn_dense", ("ctx",), "attn"),
+           ("post-attn-dropout", "op_post_attn_dropout", ("x", "attn"), "x2"),
+           ("2nd-layernorm", "op_ln2", ("x2",), "m"), ("mlp-gemm-1", "op_fc1", ("m",), "f1"),
+           ("gelu", "op_gelu", ("f1",), "g"), ("mlp-gemm-2", "op_fc2", ("g",), "f2"),
+           ("post-mlp-dropout", "op_post_mlp_dropout", ("x2", "f2"), "out"))
+    assert tuple(o[0] for o in OPS) == LAYER_OPS
+
+    def __init__(self, spec: ModelSpec, index: int, tp_group, tracker, recompute: frozenset):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        h, f, cfg, tp = spec.hidden, spec.ffn, _config(), tp_group.size()
+        self.index, self.tracker, self.recompute, self.dropout = index, tracker, recompute, spec.dropout
+        self.local_heads, self.head_dim = spec.heads // tp, spec.head_dim
+        self.ln1 = torch.nn.LayerNorm(h, eps=LN_EPS)
+        self.qkv = ColumnParallelLinear(h, 3 * h, config=cfg, init_method=_no_init, bias=True,
+                                        gather_output=False, tp_group=tp_group)
+        self.dense = RowParallelLinear(h, h, config=cfg, init_method=_no_init, bias=True,
+                                       input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+        self.ln2 = torch.nn.LayerNorm(h, eps=LN_EPS)
+        self.fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=True,
+                                        gather_output=False, tp_group=tp_group)
+        self.fc2 = RowParallelLinear(f, h, config=cfg, init_method=_no_init, bias=True,
+                                     input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+
+    def op_ln1(self, x):
+        return self.ln1(x)
+
+    def op_qkv(self, a):
+        return self.qkv(a)[0]
+
+    def _split(self, qkv):
+        s, b, _ = qkv.shape
+        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(3)
+        return [t.permute(1, 2, 0, 3) for t in (q, k, v)]  # [b, heads, s, head_dim]
+
+    def op_score(self, qkv):
+        q, k, _ = self._split(qkv)
+        return torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+
+    def op_softmax(self, scores):
+        s = scores.shape[-1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+        return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+
+    def op_attn_dropout(self, probs):
+        if not (self.training and self.dropout > 0):
+            return probs
+        with self.tracker.fork(MODEL_PARALLEL_RNG):  # different mask per tp rank (own heads)
+            return F.dropout(probs, self.dropout, training=True)
+
+    def op_context(self, probs, qkv):
+        v = self._split(qkv)[2]
+        ctx = torch.matmul(probs, v)  # [b, heads, s, head_dim]
+        b, n, s, d = ctx.shape
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def op_attn_dense(self, ctx):
+        return self.dense(ctx)[0]
+
+    def op_post_attn_dropout(self, x, attn):
+        return x + F.dropout(attn, self.dropout, training=self.training)
+
+    def op_ln2(self, x2):
+        return self.ln2(x2)
+
+    def op_fc1(self, m):
+        return self.fc1(m)[0]
+
+    def op_gelu(self, f1):
+        return F.gelu(f1)
+
+    def op_fc2(self, g):
+        return self.fc2(g)[0]
+
+    def op_post_mlp_dropout(self, x2, f2):
+        return x2 + F.dropout(f2, self.dropout, training=self.training)
+
+    def forward(self, x):
+        env = {"x": x}
+        for name, method, inputs, output in self.OPS:
+            fn = getattr(self, method)
+            args = [env[i] for i in inputs]
+            if name in self.recompute and torch.is_grad_enabled():
+                saved = {}
+                ctx = partial(lambda s: (_rng_replay(self.tracker, s, False),
+                                         _rng_replay(self.tracker, s, True)), saved)
+                env[output] = checkpoint(fn, *args, use_reentrant=False, context_fn=ctx)
+            else:
+                env[output] = fn(*args)
+        return env["out"]
+
+
+class GPTStage(torch.nn.Module):
+    """Layers [start, end) of a GPT, with embedding (first) / head + loss (last)."""
+
+    def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
+                 tp_group, tracker, recompute: dict | None = None, seed: int = 1234):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+
+        super().__init__()
+        self.spec, self.first, self.last, self.tp_group = spec, first, last, tp_group
+        self.tp, self.tp_rank = tp_group.size(), tp_group.rank()
+        recompute = recompute or {}
+        cfg, start, end = _config(), layers[0], layers[1]
+        self.shard_specs: dict[str, ShardSpec] = {}
+        if first:
+            self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, config=cfg,
+                                               init_method=_no_init, tp_group=tp_group)
+            self.pos = torch.nn.Parameter(torch.empty(spec.seq_len, spec.hidden))
+            self.shard_specs.update(embedding_specs(spec))
+        self.layers = torch.nn.ModuleList()
+        for i, layer in enumerate(range(start, end)):
+            ops = frozenset(op for op, n in recompute.items() if i < n)
+            self.layers.append(Layer(spec, layer, tp_group, tracker, ops))
+            self.shard_specs.update({f"layers.{i}.{k}": v for k, v in layer_specs(spec, layer).items()})
+        if last:
+            self.ln = torch.nn.LayerNorm(spec.hidden, eps=LN_EPS)
+            self.out = ColumnParallelLinear(spec.hidden, spec.vocab, config=cfg, init_method=_no_init,
+                                            bias=False, gather_output=False, tp_group=tp_group)
+            self.shard_specs.update(head_specs(spec))
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        params = dict(self.named_parameters())
+        if set(params) != set(self.shard_specs):
+            raise RuntimeError(f"parameters {sorted(set(params) ^ set(self.shard_specs))} lack a "
+                               f"shard spec or a module")
+        for name, shard in self.shard_specs.items():
+            params[name].copy_(shard.local(full_parameter(self.spec, shard, seed), self.tp_rank, self.tp))
+
+    def embed(self, tokens):
+        """tokens [b, s] -> hidden [s, b, h]."""
+        x = self.word(tokens) + self.pos[: tokens.shape[1]].unsqueeze(0)
+        return F.dropout(x.transpose(0, 1).contiguous(), self.spec.dropout, training=self.training)
+
+    def head_loss(self, x, labels, loss_scale: float):
+        """Sum over samples of the per-sample mean token loss, times ``loss_scale``."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = self.out(self.ln(x))[0]  # [s, b, vocab / tp]
+        with tp_group_globals(self.tp_group):
+            losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+        return losses.mean(dim=0).sum() * loss_scale
+
+    def forward(self, inputs, labels=None, loss_scale: float = 1.0):
+        """First stage: tokens [b, s]; other stages: hidden [s, b, h].  Returns hidden
+        [s, b, h], or on the last stage the scaled loss (needs ``labels`` [b, s])."""
+        x = self.embed(inputs) if self.first else inputs
+        for layer in self.layers:
+            x = layer(x)
+        return self.head_loss(x, labels, loss_scale) if self.last else x

@@ -1,0 +1,295 @@
+"""Plan -> rank layout and every process group: one immutable topology object per rank.
+
+Two layers:
+
+* :class:`Layout` is symbolic (pure Python, no torch): for every global rank its
+  pipeline, stage, tp rank and dp rank, and the ordered list of every group the
+  runtime needs.  It is identical on all ranks, so every rank can create every group
+  in the same order (a ``torch.distributed.new_group`` requirement).  The dry run
+  builds it for plans of any size on one machine.
+* :class:`Topology` is this rank's view: its slot in the layout plus the
+  ``ProcessGroup`` handles of the groups it belongs to.  It is built once, after the
+  plan was checked against WORLD_SIZE, and passed explicitly to every builder.
+
+Groups (created in this order, duplicates by rank set created once):
+
+* ``tp``: per stage and dp replica, the tp ranks ``ranks[d*tp:(d+1)*tp]``;
+* ``hold``: per parameter block (``embedding``, ``layer {l}``, ``head``: final
+  layernorm + output layer), every rank of every pipeline that holds the block; the
+  gradient all-reduce of :mod:`megatron.hpp.grad_sync` runs in it.
+
+Stage-to-stage traffic uses point-to-point calls on the default group; the loss and
+time reductions use the world group.
+
+Dry run::
+
+    python -m megatron.hpp.topology --plan plan.json --dry-run [--fake-rank R]
+
+prints the layout; with ``--fake-rank`` it also creates every group through torch's
+fake backend as rank R (no processes, no network).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from eth.errors import PlanError, SpecError
+from eth.plan import Plan, StagePlan, load_plan
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one global rank sits in the plan."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A process group to create: kind ("tp" or "hold"), a readable name, its ranks."""
+
+    kind: str
+    name: str
+    ranks: tuple[int, ...]
+
+
+def block_keys(start: int, end: int, first: bool, last: bool) -> list[str]:
+    """Parameter blocks held by a stage of layers [start, end) (first/last of its pipeline)."""
+    keys = ["embedding"] if first else []
+    keys += [f"layer {layer}" for layer in range(start, end)]
+    return keys + (["head"] if last else [])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Symbolic rank layout of a plan (see module docstring); validated on construction."""
+
+    plan: Plan
+    world_size: int
+    slots: tuple[RankSlot, ...] = field(init=False)
+    groups: tuple[GroupSpec, ...] = field(init=False)
+    holders: dict = field(init=False)
+    """Block key -> tuple of the ranks (all pipelines) holding it."""
+
+    def __post_init__(self):
+        plan = self.plan
+        if plan.world_size != self.world_size:
+            raise PlanError(f"plan needs {plan.world_size} ranks, WORLD_SIZE is {self.world_size}")
+        total = sum(p.lbs for p in plan.pipelines)
+        if total != plan.gbs:
+            raise PlanError(f"sum of pipeline lbs is {total} but gbs is {plan.gbs}; the runtime "
+                            f"requires equality (lbs: {[p.lbs for p in plan.pipelines]})")
+        slots: list = [None] * self.world_size
+        tp_groups, holders = [], {}
+        for i, pipe in enumerate(plan.pipelines):
+            for j, stage in enumerate(pipe.stages):
+                for d in range(stage.dp):
+                    ranks = tuple(stage.ranks[d * stage.tp:(d + 1) * stage.tp])
+                    tp_groups.append(GroupSpec("tp", f"tp p{i} s{j} d{d}", ranks))
+                    for t, r in enumerate(ranks):
+                        slots[r] = RankSlot(r, i, j, t, d)
+                for key in block_keys(*stage.layers, j == 0, j == len(pipe.stages) - 1):
+                    holders.setdefault(key, []).extend(stage.ranks)
+        missing = [r for r, s in enumerate(slots) if s is None]
+        if missing:
+            raise PlanError(f"plan leaves ranks {missing[:8]} of WORLD_SIZE {self.world_size} unused")
+        holders = {k: tuple(sorted(v)) for k, v in holders.items()}
+        groups, seen = [], set()
+        for g in tp_groups + [GroupSpec("hold", f"hold {k}", v) for k, v in holders.items()]:
+            if g.ranks not in seen:
+                seen.add(g.ranks)
+                groups.append(g)
+        object.__setattr__(self, "slots", tuple(slots))
+        object.__setattr__(self, "groups", tuple(groups))
+        object.__setattr__(self, "holders", holders)
+
+    def stage_of(self, rank: int) -> StagePlan:
+        slot = self.slots[rank]
+        return self.plan.pipelines[slot.pipeline].stages[slot.stage]
+
+    def describe(self) -> str:
+        """Human-readable layout: pipelines, stages, group counts."""
+        plan, lines = self.plan, []
+        lines.append(f"plan: model {plan.model.name} ({plan.model.num_layers} layers), "
+                     f"world {self.world_size}, gbs {plan.gbs}, {len(plan.pipelines)} pipelines")
+        for i, p in enumerate(plan.pipelines):
+            lines.append(f"pipeline {i}: mbs {p.mbs} lbs {p.lbs} micro-batches {p.num_microbatches} "
+                         f"stages {len(p.stages)}")
+            for j, s in enumerate(p.stages):
+                lines.append(f"  stage {j}: {s.device_type} ranks {_ranges(s.ranks)} tp {s.tp} "
+                             f"dp {s.dp} layers [{s.layers[0]}, {s.layers[1]})"
+                             + (f" recompute {s.recompute}" if s.recompute else ""))
+        kinds = {}
+        for g in self.groups:
+            kinds[g.kind] = kinds.get(g.kind, 0) + 1
+        lines.append("groups: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+                     + f" ({len(self.groups)} in all)")
+        for key, ranks in self.holders.items():
+            lines.append(f"  hold {key}: {len(ranks)} ranks")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the plan and the process groups it uses."""
+
+    layout: Layout
+    rank: int
+    tp_group: object
+    """ProcessGroup of this rank's tp ranks (same stage, same dp replica)."""
+    hold_groups: dict
+    """Block key -> ProcessGroup of all ranks holding that block."""
+    pg_collection: object = None
+    """megatron.core ProcessGroupCollection (tp) for megatron-core APIs that take one."""
+
+    @property
+    def plan(self) -> Plan:
+        return self.layout.plan
+
+    @property
+    def slot(self) -> RankSlot:
+        return self.layout.slots[self.rank]
+
+    @property
+    def pipeline(self) -> int:
+        return self.slot.pipeline
+
+    @property
+    def stage_index(self) -> int:
+        return self.slot.stage
+
+    @property
+    def tp_rank(self) -> int:
+        return self.slot.tp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.slot.dp_rank
+
+    @property
+    def stage(self) -> StagePlan:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def pipe(self):
+        return self.plan.pipelines[self.pipeline]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.pipe.stages)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def prev_stage(self) -> StagePlan | None:
+        return None if self.is_first else self.pipe.stages[self.stage_index - 1]
+
+    @property
+    def next_stage(self) -> StagePlan | None:
+        return None if self.is_last else self.pipe.stages[self.stage_index + 1]
+
+    @property
+    def tp_root(self) -> int:
+        """Global rank of tp rank 0 of this rank's dp replica."""
+        return self.stage.rank(0, self.dp_rank)
+
+
+def check_plan(plan: Plan, world_size: int) -> Layout:
+    """Build the layout or raise PlanError naming the numbers (before any group exists)."""
+    return Layout(plan, world_size)
+
+
+def build_topology(layout: Layout, rank: int, device_name: str | None = None) -> Topology:
+    """Create every group of ``layout`` (all ranks, same order) and return rank's view.
+
+    Needs an initialised default process group.  ``device_name`` (CUDA only) is
+    compared loosely with the stage's device type; a mismatch is only a warning.
+    """
+    import torch.distributed as dist
+
+    stage = layout.stage_of(rank)
+    if device_name is not None:
+        wanted = stage.device_type.lower().replace("-", "").replace(" ", "")
+        have = device_name.lower().replace("-", "").replace(" ", "")
+        if wanted not in have:
+            warnings.warn(f"rank {rank}: plan stage expects a {stage.device_type}, "
+                          f"this device is a {device_name}")
+    handles = {}
+    for g in layout.groups:
+        pg = dist.new_group(list(g.ranks))
+        if rank in g.ranks:
+            handles[g.ranks] = pg
+    slot = layout.slots[rank]
+    tp_group = handles[tuple(stage.ranks[slot.dp_rank * stage.tp:(slot.dp_rank + 1) * stage.tp])]
+    pipe = layout.plan.pipelines[slot.pipeline]
+    keys = block_keys(*stage.layers, slot.stage == 0, slot.stage == len(pipe.stages) - 1)
+    hold = {k: handles[layout.holders[k]] for k in keys}
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return Topology(layout, rank, tp_group, hold, ProcessGroupCollection(tp=tp_group))
+
+
+def _ranges(ranks) -> str:
+    ranks = list(ranks)
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return str(ranks)
+
+
+def fake_build(layout: Layout, rank: int) -> Topology:
+    """Create every group through torch's fake backend as ``rank`` (dry run only)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        return build_topology(layout, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Check a plan and print its rank layout "
+                                     "without starting processes.")
+    parser.add_argument("--plan", required=True, help="plan JSON")
+    parser.add_argument("--dry-run", action="store_true", help="build the layout only (default)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="WORLD_SIZE to check against (default: the plan's)")
+    parser.add_argument("--fake-rank", type=int, default=None,
+                        help="also create every process group as this rank on torch's fake backend")
+    args = parser.parse_args(argv)
+    try:
+        plan = load_plan(args.plan)
+        layout = check_plan(plan, args.world_size or plan.world_size)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(layout.describe())
+    if args.fake_rank is not None:
+        if not 0 <= args.fake_rank < layout.world_size:
+            print(f"error: --fake-rank {args.fake_rank} is outside 0..{layout.world_size - 1}",
+                  file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        topo = fake_build(layout, args.fake_rank)
+        print(f"fake backend: rank {topo.rank} = pipeline {topo.pipeline} stage {topo.stage_index} "
+              f"tp {topo.tp_rank} dp {topo.dp_rank}; created {len(layout.groups)} groups "
+              f"({len(topo.hold_groups) + 1} hold this rank) in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The HPP train loop behind pretrain_gpt.py.
+
+Order of work on every rank (all ranks read the same plan, so all fail alike):
+
+1. load the plan and check it against WORLD_SIZE and the runtime's needs
+   (sum(lbs) == gbs) -- pure Python, before any process group exists, so bad input
+   ends every rank with one line on stderr and exit code 2 instead of a hang;
+2. init the default group (nccl+cuda or gloo+cpu), build the topology (all groups);
+3. build this rank's stage, the gradient sync and AdamW;
+4. per iteration: 1F1B over the pipeline's micro-batches (loss scaled by 1/gbs),
+   gradient sync, global-norm clipping, AdamW step; rank 0 logs loss, iteration time
+   and each pipeline's compute time (max over its ranks).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from eth.errors import SpecError
+from eth.plan import load_plan
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    plan: str
+    """Path of the plan JSON."""
+    train_iters: int
+    """Number of optimizer steps."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float | None = None
+    """Cosine-decay floor; None keeps the lr constant after warm-up."""
+    warmup: int = 0
+    """Linear warm-up iterations."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and norms)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    seed: int = 1234
+    """Seed of weights, data and dropout."""
+    log_interval: int = 1
+    """Log every this many iterations on rank 0."""
+    data_path: str | None = None
+    """Byte-level text file; None: synthetic data."""
+    save_params: str | None = None
+    """Write full parameters and losses here at the end (rank 0, atomic)."""
+
+    def __post_init__(self):
+        if self.train_iters <= 0:
+            raise SpecError(f"--train-iters must be positive, got {self.train_iters}")
+        if self.lr <= 0:
+            raise SpecError(f"--lr must be positive, got {self.lr}")
+        if self.warmup < 0 or self.log_interval <= 0 or self.clip_grad < 0:
+            raise SpecError(f"--warmup {self.warmup}, --log-interval {self.log_interval}, "
+                            f"--clip-grad {self.clip_grad}: need warmup >= 0, interval > 0, clip >= 0")
+
+    def lr_at(self, iteration: int) -> float:
+        """Learning rate of 0-based ``iteration``: linear warm-up, then cosine to min_lr."""
+        if iteration < self.warmup:
+            return self.lr * (iteration + 1) / self.warmup
+        if self.min_lr is None:
+            return self.lr
+        span = max(self.train_iters - self.warmup, 1)
+        progress = min((iteration - self.warmup) / span, 1.0)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"environment {name}={value!r} is not an integer") from None
+
+
+def prepare(cfg: TrainConfig):
+    """Steps 1 (no torch.distributed): returns (plan, layout, rank)."""
+    from megatron.hpp.data import check_batch_sizes
+    from megatron.hpp.topology import check_plan
+
+    plan = load_plan(cfg.plan)
+    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    layout = check_plan(plan, world)
+    check_batch_sizes(plan)
+    if cfg.data_path is None and plan.model.vocab < 2:
+        raise SpecError(f"model vocab {plan.model.vocab} is too small for synthetic data")
+    return plan, layout, rank
+
+
+def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
+    """Steps 2-4; returns the per-iteration losses (on every rank)."""
+    from megatron.hpp import compat
+
+    compat.quiet_megatron_warnings()
+    import torch
+    import torch.distributed as dist
+
+    from megatron.hpp.data import ByteTextData, SyntheticData, batch, sample_range
+    from megatron.hpp.grad_sync import GradSync, clip_gradients, gather_parameters, make_optimizer
+    from megatron.hpp.model import GPTStage
+    from megatron.hpp.schedule import ComputeClock, StageComm, one_f_one_b
+    from megatron.hpp.topology import build_topology
+
+    plan, spec = layout.plan, layout.plan.model
+    backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
+    if not dist.is_initialized():
+        dist.init_process_group(backend.name, rank=rank, world_size=layout.world_size)
+    topo = build_topology(layout, rank, compat.device_name(backend))
+    stage = topo.stage
+    tracker = compat.setup_rng(backend, cfg.seed, cfg.seed + 7919 * (1 + topo.tp_root), topo.tp_rank)
+    model = GPTStage(spec, stage.layers, topo.is_first, topo.is_last, topo.tp_group, tracker,
+                     stage.recompute, cfg.seed).to(backend.device)
+    model.train()
+    sync, optimizer = GradSync(model, topo), make_optimizer(model, cfg.lr, cfg.weight_decay)
+    source = (ByteTextData(cfg.data_path, spec.vocab, spec.seq_len, cfg.seed) if cfg.data_path
+              else SyntheticData(spec.vocab, spec.seq_len, cfg.seed))
+    comm = StageComm(topo, (spec.seq_len, spec.hidden), torch.float32, backend.device)
+    speed = plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
+    emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in plan.cluster.types.values())
+    num_pipes = len(plan.pipelines)
+    losses = []
+    for it in range(cfg.train_iters):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr_at(it)
+        optimizer.zero_grad(set_to_none=True)
+        clock = ComputeClock(speed)
+
+        def get_batch(mb, it=it):
+            start, end = sample_range(plan, topo.pipeline, mb, stage.dp, topo.dp_rank)
+            tokens = batch(source, it, start, end).to(backend.device)
+            return tokens[:, :-1], tokens[:, 1:]
+
+        loss = one_f_one_b(model, topo, comm, get_batch, 1.0 / plan.gbs, clock)
+        sync.sync()
+        grad_norm = clip_gradients(model, topo, cfg.clip_grad)
+        optimizer.step()
+        compat.synchronize(backend)
+        stats = torch.zeros(1 + num_pipes, dtype=torch.float64, device=backend.device)
+        if topo.tp_rank == 0:
+            stats[0] = loss.item()
+        stats[1 + topo.pipeline] = clock.seconds
+        summed = stats.clone()
+        dist.all_reduce(summed)                      # loss: sum over last-stage replicas
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute: slowest rank of each pipeline
+        losses.append(float(summed[0]))
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if rank == 0 and ((it + 1) % cfg.log_interval == 0 or it + 1 == cfg.train_iters):
+            per_pipe = ", ".join(f"p{i} {stats[1 + i].item() * 1e3:.1f}" for i in range(num_pipes))
+            print(f"iteration {it + 1}/{cfg.train_iters} | loss {losses[-1]:.6f} | grad norm "
+                  f"{grad_norm:.4f} | lr {cfg.lr_at(it):.3g} | time {elapsed:.1f} ms | compute ms "
+                  f"{per_pipe}{' (emulated)' if emulated else ''}", flush=True)
+    if cfg.save_params:
+        params = gather_parameters(model, topo)
+        if rank == 0:
+            _save(cfg.save_params, {"params": params, "losses": losses, "plan_hash": plan.content_hash()})
+    return losses
+
+
+def _save(path, obj) -> None:
+    import torch
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def run(cfg: TrainConfig) -> int:
+    """Check, train, tear down; returns the process exit code."""
+    try:
+        _, layout, rank = prepare(cfg)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        train(cfg, layout, rank)
+    except SpecError as exc:
+        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
