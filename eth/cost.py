@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from eth.cluster import Cluster
 from eth.errors import SpecError
-from eth.model import ACT_BYTES, LAYER_OPS, ModelSpec, tp_allreduce_bytes
+from eth.model import ACT_BYTES, LAYER_OPS, ModelSpec, tp_allreduces
 from eth.profiles import ProfileDB, collective_ms
 
 PRE_OPS_ONLY = ("embedding",)
@@ -174,16 +174,16 @@ class CostModel:
             link = self._link(device_type, ranks, tp)
             parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
             for part, count in parts:
-                f_bytes, b_bytes = tp_allreduce_bytes(self.model, micro, part)
-                comm_f = count * collective_ms("all_reduce", tp, f_bytes, link)
-                comm_b = count * collective_ms("all_reduce", tp, b_bytes, link)
+                f_sizes, b_sizes = tp_allreduces(self.model, micro, part)
+                comm_f = count * sum(collective_ms("all_reduce", tp, b, link) for b in f_sizes)
+                comm_b = count * sum(collective_ms("all_reduce", tp, b, link) for b in b_sizes)
                 fwd += comm_f
                 bwd += comm_b
                 comm += comm_f + comm_b
             # recomputing a row-parallel GEMM repeats its forward all-reduce
             redo = recompute.get("attn-dense", 0) + recompute.get("mlp-gemm-2", 0)
             if redo:
-                per = collective_ms("all_reduce", tp, tp_allreduce_bytes(self.model, micro, "layer")[0] / 2, link)
+                per = collective_ms("all_reduce", tp, tp_allreduces(self.model, micro, "layer")[0][0], link)
                 recompute_ms += redo * per
                 comm += redo * per
         bwd += recompute_ms

@@ -23,7 +23,7 @@ Megatron-LM: qkv and mlp-gemm-1 are column-parallel, attn-dense and mlp-gemm-2
 row-parallel, the embedding and the output head are vocab-parallel.  With tp > 1 the
 forward pass all-reduces the outputs of attn-dense, mlp-gemm-2 and the embedding, and
 the backward pass all-reduces the input gradients of qkv, mlp-gemm-1 and the head:
-see :func:`tp_allreduce_bytes`.  This module is pure arithmetic (no torch).
+see :func:`tp_allreduces`.  This module is pure arithmetic (no torch).
 """
 from __future__ import annotations
 
@@ -218,17 +218,18 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     return {op.name: op for op in ops}
 
 
-def tp_allreduce_bytes(spec: ModelSpec, mbs: int, part: str) -> tuple[int, int]:
-    """(forward, backward) all-reduce bytes per tp rank when tp > 1, for one micro-batch.
+def tp_allreduces(spec: ModelSpec, mbs: int, part: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sizes (bytes per tp rank) of the (forward, backward) all-reduces when tp > 1.
 
-    ``part`` is "layer" (one transformer layer), "pre" (embedding) or "post"
-    (final layernorm + head + loss).
+    One entry per collective for one micro-batch.  ``part`` is "layer" (one
+    transformer layer), "pre" (embedding) or "post" (final layernorm + head + loss).
     """
     tok = mbs * spec.seq_len * spec.hidden * ACT_BYTES
     if part == "layer":
-        return 2 * tok, 2 * tok       # attn-dense + mlp-gemm-2 out; qkv + mlp-gemm-1 in-grad
+        return (tok, tok), (tok, tok)  # attn-dense + mlp-gemm-2 outputs; qkv + mlp-gemm-1 input grads
     if part == "pre":
-        return tok, 0                 # vocab-parallel embedding output
+        return (tok,), ()              # vocab-parallel embedding output
     if part == "post":
-        return 3 * mbs * spec.seq_len * 4, tok  # CE max/sum/target logits; head input-grad
+        ce = mbs * spec.seq_len * 4    # vocab-parallel cross entropy: max, sum-exp, target logit
+        return (ce, ce, ce), (tok,)    # head input grad
     raise ValueError(part)

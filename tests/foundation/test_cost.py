@@ -1,0 +1,105 @@
+"""Cost model against hand-computed values on a tiny model with a flat profile.
+
+Flat profile: every op takes fwd = mbs ms and bwd = 2*mbs ms (conftest.flat_profile).
+TINY layer: 872 parameters, 1216 saved activation bytes per sample (test_model.py).
+"""
+from types import SimpleNamespace as NS
+
+import pytest
+
+from _foundation_data import RESERVED
+from eth.cost import CostModel, eq1_pipeline_ms, eq5_end_times, eq6_allreduce_ms, recompute_runs
+from eth.profiles import COLLECTIVE_ALPHA_MS
+
+P2P_64B = 64 / (10e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS   # one 64-byte activation over a 10 Gbit/s link
+
+
+def test_first_stage_time_and_memory(tiny, cpu_cluster, flat_db):
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    c = cm.stage_cost("cpu", tp=1, dp=1, layers=(0, 2), mbs=1, stage_index=0, num_stages=2,
+                      num_microbatches=4)
+    assert c.fwd_ms == pytest.approx(2 * 13 * 1 + 1 + P2P_64B)     # 2 layers + embedding + send
+    assert c.bwd_ms == pytest.approx(2 * 13 * 2 + 2)               # first stage sends no gradient
+    assert c.params == 2 * 872 + (16 * 8 + 4 * 8)                  # + word and position embedding
+    act = 2 * 1216 + 4 * 8                                         # + token ids (int64)
+    assert c.act_bytes == act and c.inflight == 2
+    assert c.memory_bytes == pytest.approx(c.params * 16 + 2 * act + RESERVED)
+    assert c.fits and c.capacity_bytes == 4e9
+
+
+def test_last_stage_dp2_and_inflight_capped_by_microbatches(tiny, cpu_cluster, flat_db):
+    cm = CostModel(tiny, cpu_cluster, flat_db, bytes_per_param=18)
+    c = cm.stage_cost("cpu", tp=1, dp=2, layers=(2, 4), mbs=4, stage_index=1, num_stages=2,
+                      num_microbatches=1)
+    # each replica sees mbs/dp = 2 samples: every op 2 ms forward, 4 ms backward
+    assert c.fwd_ms == pytest.approx(2 * 13 * 2 + 2 * 2)           # + final-layernorm, head+loss
+    assert c.bwd_ms == pytest.approx(2 * 13 * 4 + 2 * 4 + 2 * 64 / (10e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS)
+    assert c.inflight == 1
+    assert c.params == 2 * 872 + 16 + 16 * 8
+    assert c.memory_bytes == pytest.approx(c.params * 18 + c.act_bytes + RESERVED)
+
+
+def test_recompute_frees_runs_but_keeps_their_input(tiny, cpu_cluster, flat_db):
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    base = cm.stage_cost("cpu", 1, 1, (0, 4), 1, num_stages=1)
+    rc = {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 2, "gelu": 1}
+    c = cm.stage_cost("cpu", 1, 1, (0, 4), 1, rc, num_stages=1)
+    # run score..context: (128 + 64 + 0 + 128) - input of score (128) = 192 per layer, 2 layers;
+    # gelu alone: 256 - its input 256 = 0.  Recompute time = 9 op-layers x 1 ms.
+    assert base.act_bytes - c.act_bytes == 2 * 192
+    assert c.recompute_ms == 9.0 and c.bwd_ms == pytest.approx(base.bwd_ms + 9.0)
+    assert recompute_runs({"softmax", "score", "gelu"}) == [["score", "softmax"], ["gelu"]]
+
+
+def test_tp_adds_collectives(tiny, cpu_cluster, flat_db):
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    one = cm.stage_cost("cpu", 1, 1, (0, 4), 1, num_stages=1)
+    two = cm.stage_cost("cpu", 2, 1, (0, 4), 1, num_stages=1, ranks=[0, 1])
+    ar = 2 * (1 / 2) * 64 / (10e9 / 8 / 1e3) + 2 * COLLECTIVE_ALPHA_MS   # ring all-reduce, 2 ranks
+    ce = 2 * (1 / 2) * 16 / (10e9 / 8 / 1e3) + 2 * COLLECTIVE_ALPHA_MS   # 16-byte cross-entropy sums
+    # forward: 2 per layer + embedding + 3 cross-entropy; backward: 2 per layer + head input-grad
+    assert two.fwd_ms - one.fwd_ms == pytest.approx(9 * ar + 3 * ce)
+    assert two.bwd_ms - one.bwd_ms == pytest.approx(9 * ar)
+    assert two.comm_ms == pytest.approx(18 * ar + 3 * ce)
+    assert two.params < one.params
+
+
+def test_eq1_eq5_eq6_by_hand():
+    costs = [NS(fwd_ms=1.0, bwd_ms=2.0, total_ms=3.0), NS(fwd_ms=2.0, bwd_ms=3.0, total_ms=5.0)]
+    assert eq1_pipeline_ms(costs, batch=8, mbs=2) == 8 + 5 * 3
+    # head = (1 + 2) + 5 * (4 - 1) = 18; Te^0 = 18 + 2 + 3 + 0.5; Te^1 = 18 + 3 + 0.25
+    assert eq5_end_times(costs, lbs=8, mbs=2, ar_ms=[0.5, 0.25]) == [23.5, 21.25]
+    assert eq5_end_times(costs, lbs=0, mbs=2) == [0.0, 0.0]
+    assert eq6_allreduce_ms(1e6, 4, 8) == pytest.approx(1.5)     # 8 Gbit/s = 1e6 B/ms
+    assert eq6_allreduce_ms(1e6, 1, 8) == 0.0
+
+
+def _pipes(tiny):
+    st = lambda ranks, tp, dp, layers: NS(ranks=ranks, tp=tp, dp=dp, layers=layers, device_type="cpu",
+                                          recompute={})
+    p0 = NS(mbs=2, lbs=6, stages=[st([0, 1], 1, 2, (0, 4))])
+    p1 = NS(mbs=1, lbs=2, stages=[st([2], 1, 1, (0, 3)), st([3], 1, 1, (3, 4))])
+    return p0, p1
+
+
+def test_stage_allreduce_by_hand(tiny, cpu_cluster, flat_db):
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    p0, p1 = _pipes(tiny)
+    ar = cm.stage_allreduce_ms([p0, p1])
+    g = lambda params, n: eq6_allreduce_ms(params * 4, n, 10)  # fp32 grads, one node: 10 Gbit/s
+    # every layer is held by p0 (dp 2) and one stage of p1 (dp 1): N = 3
+    emb, head = 16 * 8 + 4 * 8, 16 * 8 + 2 * 8
+    assert ar[0][0] == pytest.approx(4 * g(872, 3) + g(emb, 3) + g(head, 3))
+    assert ar[1][0] == pytest.approx(3 * g(872, 3) + g(emb, 3))
+    assert ar[1][1] == pytest.approx(g(872, 3) + g(head, 3))
+
+
+def test_evaluate_uses_eq5_with_allreduce(tiny, cpu_cluster, flat_db):
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    p0, p1 = _pipes(tiny)
+    ev = cm.evaluate(NS(pipelines=[p0, p1]))
+    ar = cm.stage_allreduce_ms([p0, p1])
+    c0 = cm.pipeline_costs(p0)
+    assert ev["pipelines"][0]["end_ms"] == pytest.approx(eq5_end_times(c0, 6, 2, ar[0]))
+    assert ev["iteration_ms"] == max(pp["pipeline_ms"] for pp in ev["pipelines"])
+    assert ev["feasible"]

@@ -1,0 +1,144 @@
+"""Profile DB: round trip, look-up and interpolation rules, analytic generator, Aceso import."""
+import json
+
+import pytest
+
+from _foundation_data import TINY, flat_profile
+from eth.cluster import catalog
+from eth.errors import ProfileError
+from eth.model import ALL_OPS, get_model, op_shapes
+from eth.profiles import (COLLECTIVE_ALPHA_MS, GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, MEMORY_EFFICIENCY,
+                          DeviceProfile, ProfileDB, analytic_profile, collective_ms, import_aceso,
+                          load_profile, save_profile)
+
+
+def test_round_trip_and_exact_lookup(tmp_path):
+    save_profile(flat_profile(), tmp_path / "cpu.json")
+    db = ProfileDB.load(tmp_path)
+    ops, reserved = db.layer_costs("cpu", TINY, 2, 1)
+    assert ops["qkv"].fwd_ms == 2.0 and ops["qkv"].bwd_ms == 4.0 and reserved == 1000.0
+    assert ops["qkv"].act_bytes == op_shapes(TINY, 2, 1)["qkv"].act_bytes
+
+
+def test_interpolation_and_extrapolation_rules():
+    prof = DeviceProfile(flat_profile(mbs=(1, 2, 4)))
+    assert prof.layer_costs(TINY, 3, 1)[0]["qkv"].fwd_ms == pytest.approx(3.0)      # between 2 and 4
+    assert prof.layer_costs(TINY, 8, 1)[0]["gelu"].bwd_ms == pytest.approx(16.0)    # through 2 and 4
+    half = prof.layer_costs(TINY, 0.5, 1)[0]["score"]                                # below: proportional
+    assert half.fwd_ms == pytest.approx(0.5)
+    assert half.act_bytes == pytest.approx(op_shapes(TINY, 1, 1)["score"].act_bytes / 2)
+    w = prof.layer_costs(TINY, 3, 1)[0]["qkv"].weight_bytes
+    assert w == op_shapes(TINY, 1, 1)["qkv"].weight_bytes                              # weights fixed
+    one = DeviceProfile(flat_profile(mbs=(2,)))
+    assert one.layer_costs(TINY, 6, 1)[0]["qkv"].fwd_ms == pytest.approx(6.0)
+
+
+def test_missing_entries_are_clear_errors():
+    db = ProfileDB({"cpu": DeviceProfile(flat_profile(tp=(1,)))})
+    with pytest.raises(ProfileError, match=r"has no tp 2; profiled tp: \[1\]"):
+        db.layer_costs("cpu", TINY, 1, 2)
+    with pytest.raises(ProfileError, match="no profile for device type 'A100'; loaded: cpu"):
+        db.layer_costs("A100", TINY, 1, 1)
+    with pytest.raises(ProfileError, match="has no entry for model gpt3-13b"):
+        db.layer_costs("cpu", get_model("gpt3-13b"), 1, 1)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("device"), r"\.device is missing"),
+    (lambda d: d.update(version=9), "version is 9"),
+    (lambda d: d["models"][0]["entries"][0]["ops"].pop("qkv"), r"ops\['qkv'\] must be a list of 6"),
+    (lambda d: d["models"][0]["entries"][0]["ops"]["gelu"].__setitem__(0, -1.0), "negative"),
+    (lambda d: d["models"][0]["entries"][0].update(mbs=0), "mbs and tp must be positive"),
+    (lambda d: d["models"][0]["shape"].pop("vocab"), r"shape must give"),
+])
+def test_validation_names_the_field(mutate, message, tmp_path):
+    data = flat_profile()
+    mutate(data)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+    with pytest.raises(ProfileError, match=message):
+        save_profile(data, tmp_path / "q.json")
+    assert not (tmp_path / "q.json").exists()
+
+
+def test_analytic_roofline_numbers():
+    a100 = catalog()["A100"]
+    data = analytic_profile(a100, [TINY], mbs=(1,), tp=(1,))
+    assert data["source"] == "analytic" and data["provenance"]["gemm_efficiency"] == GEMM_EFFICIENCY
+    prof = DeviceProfile(data)
+    ops, _ = prof.layer_costs(TINY, 1, 1)
+    shapes = op_shapes(TINY, 1, 1)
+    gemm = shapes["qkv"].flops_fwd / (312e12 * GEMM_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
+    mem = shapes["softmax"].traffic_bytes / (2039e9 * MEMORY_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
+    assert ops["qkv"].fwd_ms == pytest.approx(gemm)
+    assert ops["softmax"].fwd_ms == pytest.approx(mem)
+    assert ops["softmax"].bwd_ms == pytest.approx(2 * (mem - KERNEL_OVERHEAD_MS) + KERNEL_OVERHEAD_MS)
+
+
+def test_shipped_profiles_cover_every_catalog_device_and_preset():
+    from pathlib import Path
+    db = ProfileDB.load(Path(__file__).resolve().parents[2] / "profiles")
+    assert set(db.profiles) == set(catalog())
+    for name, prof in db.profiles.items():
+        assert prof.source == "analytic"
+        assert prof.tps(get_model("gpt3-13b")) == [1, 2, 4, 8]
+    # the faster device is faster on the same op
+    h100 = db.layer_costs("H100", get_model("gpt3-13b"), 4, 2)[0]["qkv"].fwd_ms
+    v100 = db.layer_costs("V100", get_model("gpt3-13b"), 4, 2)[0]["qkv"].fwd_ms
+    assert v100 > 5 * h100
+
+
+def test_ensure_adds_missing_models_only():
+    db = ProfileDB({"cpu": DeviceProfile(flat_profile())})
+    small = get_model("small")
+    assert db.ensure(small, [catalog()["cpu"], catalog()["A100"]]) == ["cpu", "A100"]
+    assert db.layer_costs("cpu", TINY, 1, 1)[0]["qkv"].fwd_ms == 1.0      # old model kept
+    assert db.layer_costs("cpu", small, 1, 1)[0]["qkv"].fwd_ms > 0
+    assert db.ensure(small, [catalog()["cpu"]]) == []
+
+
+def test_collective_alpha_beta():
+    # 8 Gbit/s = 1e6 bytes per ms
+    assert collective_ms("all_reduce", 4, 1e6, 8) == pytest.approx(2 * 3 / 4 + 6 * COLLECTIVE_ALPHA_MS)
+    assert collective_ms("all_gather", 4, 1e6, 8) == pytest.approx(3 / 4 + 3 * COLLECTIVE_ALPHA_MS)
+    assert collective_ms("p2p", 2, 2e6, 8) == pytest.approx(2 + COLLECTIVE_ALPHA_MS)
+    assert collective_ms("all_reduce", 1, 1e6, 8) == 0.0
+    data = flat_profile()
+    data["collectives"] = {"all_reduce": {"4": [[1000, 1.0], [3000, 2.0]]}}
+    prof = DeviceProfile(data)
+    assert collective_ms("all_reduce", 4, 2000, 8, prof) == pytest.approx(1.5)
+    assert collective_ms("all_reduce", 4, 5000, 8, prof) == pytest.approx(3.0)
+    assert collective_ms("all_reduce", 2, 1e6, 8, prof) == pytest.approx(1 + 2 * COLLECTIVE_ALPHA_MS)
+
+
+def _write_aceso(folder, mbs, tp, ms, bad_op=None):
+    header = "op_name,forward-compute,backward-compute,input_size,output_size,weights,activations,fwd_reserved,bwd_reserved\n"
+    names = {"embedding": "encoder-embedding", "qkv": "enc-attention-qkv", "gelu": "enc-MLP-gelu",
+             "head+loss": "gpt-post-process", "post-mlp-dropout": "enc-post-MLP-dropout"}
+    rows = [f"{names.get(op, op)},{ms},{2 * ms},1,2,3,4,5,6" for op in ALL_OPS]
+    if bad_op:
+        rows[1] = f"{bad_op},1,1,1,1,1,1,1,1"
+    (folder / f"gpt_1.3B_mbs{mbs}_tp{tp}_algo0.csv").write_text(header + "\n".join(rows) + "\n")
+
+
+def test_aceso_import(tmp_path):
+    _write_aceso(tmp_path, 1, 1, 0.5)
+    _write_aceso(tmp_path, 2, 1, 0.9)
+    (tmp_path / "gpt_1.3B_mbs4_tp1_algo1.csv").write_text("ignored: other algo\n")
+    model = get_model("gpt3-1.3b")
+    data = import_aceso(tmp_path, "A100", model)
+    prof = DeviceProfile(data)
+    ops, reserved = prof.layer_costs(model, 2, 1)
+    assert ops["qkv"].fwd_ms == 0.9 and ops["gelu"].bwd_ms == 1.8
+    assert ops["qkv"].weight_bytes == 3 * 2 ** 20 and ops["qkv"].act_bytes == 4 * 2 ** 20
+    assert reserved == 6 * 2 ** 20 and data["source"] == "aceso-csv"
+
+
+def test_aceso_import_errors(tmp_path):
+    with pytest.raises(ProfileError, match="has no files named"):
+        import_aceso(tmp_path, "A100", TINY)
+    _write_aceso(tmp_path, 1, 1, 0.5, bad_op="enc-flux-capacitor")
+    with pytest.raises(ProfileError, match=r"gpt_1.3B_mbs1_tp1_algo0.csv:3: unknown op 'enc-flux-capacitor'"):
+        import_aceso(tmp_path, "A100", TINY)
