@@ -1,0 +1,35 @@
+# Two entry points for a new machine:  `make run` (main job)  and  `make test`.
+# torch is installed first and pinned, so that no CUDA build is pulled in on CPU machines.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+TORCH  ?= torch==2.13.0
+OUT    ?= out
+
+.PHONY: install run test profiles clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[runtime,test]'
+	touch $@
+
+# Main job: plan a tiny GPT for an emulated 2x A100 + 2x RTX3090 cluster, then train it
+# with 4 CPU processes (gloo) following that plan.
+run: install
+	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-a100-3090.yaml \
+	    --gbs 16 -o $(OUT)/plan.json
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 --master-port 29531 pretrain_gpt.py \
+	    --hpp-plan $(OUT)/plan.json --train-iters 20 --log-interval 1
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+profiles: install
+	$(BIN)/python tools/make_profiles.py -o profiles
+
+clean:
+	rm -rf $(VENV) $(OUT) *.egg-info
