@@ -1,0 +1,90 @@
+"""Gantt chart of a simulated iteration (matplotlib Agg canvas, imported lazily).
+
+One row per stage (top to bottom: pipeline 0 stage 0, 1, ..., pipeline 1 ...), labelled
+``P<i> S<j> <device>x<count> r<ranks>``.  The main band shows what the stage's devices
+do: forward, recompute, backward, All-Reduce and optimizer in distinct colours on a
+light grey idle background; a thin lane under it shows the stage's outgoing p2p
+transfers (activations forward, gradients backward), which run on the link and overlap
+compute.  Forward/backward bars wide enough to hold text carry their micro-batch index.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = {
+    "forward": "#4C72B0",
+    "recompute": "#8172B2",
+    "backward": "#55A868",
+    "comm": "#DD8452",
+    "allreduce": "#C44E52",
+    "optimizer": "#937860",
+    "idle": "#E6E6E6",
+}
+LEGEND = {
+    "forward": "forward", "recompute": "recompute", "backward": "backward",
+    "comm": "p2p transfer (link)", "allreduce": "gradient All-Reduce",
+    "optimizer": "optimizer step", "idle": "idle",
+}
+BAND = 0.68      # height of the main band of a row
+LANE = 0.14      # height of the p2p lane under it
+
+
+def plot_gantt(result, path, labels: dict[tuple[int, int], str] | None = None,
+               title: str | None = None) -> Path:
+    """Draw ``result`` (:class:`eth.simulate.SimResult`) to the PNG ``path``.
+
+    ``labels`` maps (pipeline, stage) to a row label (default "P<i> S<j>");
+    ``title`` defaults to the iteration time.
+    """
+    from matplotlib.figure import Figure      # no pyplot: no global figure state, Agg canvas
+    from matplotlib.patches import Patch
+
+    rows = [(s.pipeline, s.stage) for row in result.stages for s in row]
+    y_of = {key: y for y, key in enumerate(rows)}
+    span = max(result.iteration_ms, 1e-9)
+    fig_h = 1.6 + 0.55 * len(rows)
+    fig = Figure(figsize=(14, fig_h), dpi=110)
+    ax = fig.subplots()
+
+    for key, y in y_of.items():
+        ax.broken_barh([(0, span)], (y - BAND / 2, BAND), facecolors=COLORS["idle"], zorder=1)
+    by_kind: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for e in result.events:
+        by_kind.setdefault((e.kind, y_of[(e.pipeline, e.stage)]), []).append((e.start_ms, e.duration_ms))
+    for (kind, y), bars in by_kind.items():
+        if kind == "comm":
+            ax.broken_barh(bars, (y + BAND / 2 + 0.02, LANE), facecolors=COLORS[kind],
+                           edgecolor="white", linewidth=0.2, zorder=2)
+        else:
+            ax.broken_barh(bars, (y - BAND / 2, BAND), facecolors=COLORS[kind],
+                           edgecolor="white", linewidth=0.4, zorder=2)
+
+    # micro-batch numbers where a bar is wide enough (about 1.3% of the axis per digit)
+    for e in result.events:
+        if e.kind in ("forward", "backward") and e.microbatch is not None:
+            if e.duration_ms >= span * 0.013 * len(str(e.microbatch)):
+                ax.text(e.start_ms + e.duration_ms / 2, y_of[(e.pipeline, e.stage)], str(e.microbatch),
+                        ha="center", va="center", fontsize=7, color="white", zorder=3)
+
+    # separate pipelines
+    for y, (key, nxt) in enumerate(zip(rows, rows[1:])):
+        if key[0] != nxt[0]:
+            ax.axhline(y + 0.5 + LANE / 2, color="#555555", linewidth=0.8, zorder=0)
+    ax.axvline(result.iteration_ms, color="black", linestyle="--", linewidth=0.8, zorder=3)
+
+    labels = labels or {}
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([labels.get(key, f"P{key[0]} S{key[1]}") for key in rows], fontsize=9)
+    ax.set_ylim(len(rows) - 0.5 + LANE, -0.5)
+    ax.set_xlim(0, span * 1.01)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", color="#BBBBBB", linewidth=0.4, zorder=0)
+    ax.set_axisbelow(True)
+    ax.set_title(title or f"Simulated iteration: {result.iteration_ms:.2f} ms", fontsize=11)
+    handles = [Patch(facecolor=COLORS[k], label=LEGEND[k]) for k in LEGEND]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig_h, 1, 1))   # keep ~0.35 inch at the bottom for the legend
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path

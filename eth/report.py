@@ -1,0 +1,134 @@
+"""Text views of a plan (paper Appendix A, Table 3 style) and of a simulated iteration.
+
+:func:`format_plan_table` prints, per pipeline, ``Pipe-i Mbs=.. Lbs=..`` and one line
+per stage: stage index, global ranks, device type x count, TP/DP, number of layers,
+recomputed operators with the number of layers each is recomputed in (``4 AS`` =
+attention softmax in 4 layers), and the cost model's predicted forward/backward time
+per micro-batch and memory per device when the plan carries them.
+:func:`format_sim_summary` prints where each stage's time goes in a
+:class:`eth.simulate.SimResult`.  Both return strings; the CLIs print them.
+"""
+from __future__ import annotations
+
+from eth.model import LAYER_OPS
+
+# Short names of the 13 layer ops; AS, AD, Qkv and Sco as in the paper's Table 3.
+OP_ABBREV = {
+    "1st-layernorm": "LN1", "qkv": "Qkv", "score": "Sco", "softmax": "AS",
+    "attn-dropout": "AD", "context": "Ctx", "attn-dense": "Proj",
+    "post-attn-dropout": "PAD", "2nd-layernorm": "LN2", "mlp-gemm-1": "FC1",
+    "gelu": "Act", "mlp-gemm-2": "FC2", "post-mlp-dropout": "PMD",
+}
+
+
+def format_ranks(ranks) -> str:
+    """Compress sorted runs: [0, 1, 2, 3, 6] -> "0-3,6"."""
+    ranks = list(ranks)
+    if not ranks:
+        return "-"
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)
+
+
+def format_recompute(recompute: dict) -> str:
+    """{"softmax": 4, "attn-dropout": 4} -> "4 AS, 4 AD" (layer-op order)."""
+    items = [(op, n) for op, n in recompute.items() if n]
+    if not items:
+        return "None"
+    order = {op: i for i, op in enumerate(LAYER_OPS)}
+    items.sort(key=lambda item: order.get(item[0], len(order)))
+    return ", ".join(f"{n} {OP_ABBREV.get(op, op)}" for op, n in items)
+
+
+def stage_label(plan, pipeline: int, stage: int) -> str:
+    """Short row label: "P0 S1 A100x2 r4-5"."""
+    st = plan.pipelines[pipeline].stages[stage]
+    return f"P{pipeline} S{stage} {st.device_type}x{len(st.ranks)} r{format_ranks(st.ranks)}"
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    numeric = [all(_is_number(r[i]) for r in rows) and bool(rows) for i in range(len(header))]
+
+    def line(cells):
+        out = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)]
+        return (indent + "  ".join(out)).rstrip()
+    return [line(header)] + [line(r) for r in rows]
+
+
+def _is_number(text: str) -> bool:
+    if text == "-":
+        return True
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def format_plan_table(plan) -> str:
+    """Table-3-style text view of ``plan`` (see module docstring)."""
+    types = ", ".join(f"{n}x{t}" for t, n in plan.cluster.type_counts().items())
+    head = (f"Plan: model {plan.model.name} ({plan.model.num_layers} layers, seq {plan.model.seq_len}), "
+            f"gbs {plan.gbs}, cluster {plan.cluster.name} ({plan.world_size} ranks: {types})")
+    lines = [head]
+    if "iteration_ms" in plan.predicted:
+        lines.append(f"Predicted iteration (cost model, Eq. 5): {plan.predicted['iteration_ms']:.2f} ms"
+                     + ("" if plan.predicted.get("feasible", True) else "  [INFEASIBLE: memory]"))
+    header = ["Stage", "Ranks", "Dev.", "TP/DP", "#L", "Layers", "Recomp. Operator",
+              "Fwd ms", "Bwd ms", "Mem GB"]
+    over = False
+    for i, p in enumerate(plan.pipelines):
+        lines.append("")
+        extra = f"  Eq.5 {p.predicted['pipeline_ms']:.2f} ms" if "pipeline_ms" in p.predicted else ""
+        lines.append(f"Pipe-{i}  Mbs={p.mbs}  Lbs={p.lbs}  ({p.num_microbatches} micro-batches){extra}")
+        rows = []
+        for j, s in enumerate(p.stages):
+            pred = s.predicted
+            mem = pred.get("memory_gb")
+            cap = pred.get("capacity_gb")
+            full = mem is not None and cap is not None and mem > cap
+            over = over or full
+            mem_text = _num(mem, 2) + ("!" if full else "")
+            rows.append([str(j), format_ranks(s.ranks), f"{s.device_type}x{len(s.ranks)}",
+                         f"{s.tp}/{s.dp}", str(s.num_layers), f"{s.layers[0]}-{s.layers[1] - 1}",
+                         format_recompute(s.recompute), _num(pred.get("fwd_ms"), 2),
+                         _num(pred.get("bwd_ms"), 2), mem_text])
+        lines += _table(header, rows)
+    if over:
+        lines.append("  (! = predicted memory exceeds the device's capacity)")
+    return "\n".join(lines)
+
+
+def format_sim_summary(plan, result) -> str:
+    """Per-stage time breakdown of a simulated iteration (:class:`eth.simulate.SimResult`)."""
+    lines = [f"Simulated iteration (event-driven 1F1B + block All-Reduce + optimizer): "
+             f"{result.iteration_ms:.2f} ms"]
+    if "iteration_ms" in plan.predicted:
+        pred = plan.predicted["iteration_ms"]
+        diff = (result.iteration_ms - pred) / pred * 100 if pred else 0.0
+        lines[0] += f"  (Eq. 5 prediction {pred:.2f} ms, simulation {diff:+.1f}%)"
+    header = ["Pipe", "Stage", "Ranks", "1F1B end", "Compute", "Bubble", "AllReduce",
+              "Optimizer", "Idle", "Busy %"]
+    rows = []
+    for row in result.stages:
+        for s in row:
+            busy = 100 * s.busy_ms / result.iteration_ms if result.iteration_ms else 0.0
+            rows.append([str(s.pipeline), str(s.stage), format_ranks(plan.pipelines[s.pipeline].stages[s.stage].ranks),
+                         f"{s.last_backward_ms:.2f}", f"{s.compute_ms:.2f}", f"{s.bubble_ms:.2f}",
+                         f"{s.allreduce_ms:.2f}", f"{s.optimizer_ms:.2f}", f"{s.idle_ms:.2f}", f"{busy:.1f}"])
+    lines += _table(header, rows)
+    lines.append("  (times in ms; Bubble = idle before the stage's last backward, "
+                 "Idle = iteration - compute - all-reduce - optimizer)")
+    return "\n".join(lines)
