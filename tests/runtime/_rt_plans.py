@@ -1,0 +1,53 @@
+"""Small heterogeneous plans for the runtime tests (tiny fp32 GPT, dropout 0, gbs 16)."""
+from __future__ import annotations
+
+from eth.cluster import Cluster
+from eth.model import get_model
+from eth.plan import PipelinePlan, Plan, StagePlan
+
+GBS = 16
+
+
+def cluster(n: int) -> Cluster:
+    return Cluster.from_dict({"name": f"test-{n}", "inter_node_gbps": 100,
+                              "nodes": [{"type": "A100", "devices_per_node": n}]})
+
+
+def stage(ranks, tp, dp, layers, recompute=None) -> StagePlan:
+    return StagePlan(list(ranks), "A100", tp, dp, tuple(layers), dict(recompute or {}))
+
+
+def make(n: int, pipelines: list[PipelinePlan], gbs: int = GBS) -> Plan:
+    return Plan(model=get_model("tiny"), cluster=cluster(n), gbs=gbs, pipelines=pipelines)
+
+
+def two_pipelines_different_depth() -> Plan:
+    """(a) pipeline 0: one stage; pipeline 1: two stages with an uneven layer split."""
+    return make(3, [PipelinePlan(2, 8, [stage([0], 1, 1, (0, 4))]),
+                    PipelinePlan(2, 8, [stage([1], 1, 1, (0, 1)), stage([2], 1, 1, (1, 4))])])
+
+
+def tp_stage_next_to_dp_stage() -> Plan:
+    """(b) one pipeline: stage (tp 2, dp 1) -> stage (tp 1, dp 2), recompute on stage 0."""
+    recompute = {"qkv": 1, "softmax": 2, "attn-dense": 2, "gelu": 1, "post-mlp-dropout": 2}
+    return make(4, [PipelinePlan(4, 16, [stage([0, 1], 2, 1, (0, 2), recompute),
+                                         stage([2, 3], 1, 2, (2, 4))])])
+
+
+def uneven_lbs_different_mbs() -> Plan:
+    """(c) lbs 10 and 6 of 16, mbs 5 and 2; the second pipeline's stage has dp 2."""
+    return make(4, [PipelinePlan(5, 10, [stage([0], 1, 1, (0, 3)), stage([1], 1, 1, (3, 4))]),
+                    PipelinePlan(2, 6, [stage([2, 3], 1, 2, (0, 4))])])
+
+
+def same_layers_different_tp() -> Plan:
+    """(d) pipeline 0 with tp 2 and pipeline 1 with tp 1 hold the same layers; recompute on."""
+    everything = {op: 4 for op in ("1st-layernorm", "score", "context", "mlp-gemm-1", "mlp-gemm-2")}
+    return make(3, [PipelinePlan(4, 8, [stage([0, 1], 2, 1, (0, 4), everything)]),
+                    PipelinePlan(2, 8, [stage([2], 1, 1, (0, 4))])])
+
+
+def too_large_gbs_sum() -> Plan:
+    """Valid as a plan (sum(lbs) 16 >= gbs 12) but the runtime requires equality."""
+    return make(2, [PipelinePlan(2, 8, [stage([0], 1, 1, (0, 4))]),
+                    PipelinePlan(2, 8, [stage([1], 1, 1, (0, 4))])], gbs=12)

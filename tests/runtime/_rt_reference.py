@@ -1,0 +1,53 @@
+"""Single-process dense GPT written with plain torch ops: the ground truth the HPP
+runtime must reproduce (same weights by logical name, same global batches, same
+AdamW and clipping), independent of megatron-core and of the runtime's op code."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.hpp.data import SyntheticData, batch
+from megatron.hpp.model import LN_EPS, all_specs, full_parameter
+
+
+def forward_loss(spec, p, tokens):
+    """Mean over samples of the per-sample mean token cross entropy."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    b, s = inputs.shape
+    h, a, hd = spec.hidden, spec.heads, spec.head_dim
+    x = p["embedding.word"][inputs] + p["embedding.pos"][:s]
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    for layer in range(spec.num_layers):
+        w = lambda n: p[f"layer {layer}.{n}"]  # noqa: E731
+        y = F.layer_norm(x, (h,), w("ln1.weight"), w("ln1.bias"), LN_EPS)
+        qkv = (y @ w("qkv.weight").T + w("qkv.bias")).view(b, s, a, 3, hd)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        att = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(mask, float("-inf")).softmax(-1)
+        ctx = (att @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + ctx @ w("dense.weight").T + w("dense.bias")
+        y = F.layer_norm(x, (h,), w("ln2.weight"), w("ln2.bias"), LN_EPS)
+        x = x + F.gelu(y @ w("fc1.weight").T + w("fc1.bias")) @ w("fc2.weight").T + w("fc2.bias")
+    x = F.layer_norm(x, (h,), p["head.ln.weight"], p["head.ln.bias"], LN_EPS)
+    logits = x @ p["head.out.weight"].T
+    token_loss = F.cross_entropy(logits.reshape(-1, spec.vocab), labels.reshape(-1), reduction="none")
+    return token_loss.view(b, s).mean(1).mean()
+
+
+def train_reference(spec, gbs, iters, seed=1234, lr=1e-3, weight_decay=0.01, clip=1.0):
+    """Returns (losses, full parameters) after ``iters`` AdamW steps on whole global batches."""
+    specs = all_specs(spec)
+    p = {sp.name: full_parameter(spec, sp, seed).requires_grad_(True) for sp in specs}
+    groups = [{"params": [p[s.name] for s in specs if len(s.full_shape) > 1], "weight_decay": weight_decay},
+              {"params": [p[s.name] for s in specs if len(s.full_shape) == 1], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    data, losses = SyntheticData(spec.vocab, spec.seq_len, seed), []
+    for it in range(iters):
+        opt.zero_grad(set_to_none=True)
+        loss = forward_loss(spec, p, batch(data, it, 0, gbs))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(p.values()), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in p.items()}
