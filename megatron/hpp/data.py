@@ -69,14 +69,6 @@ def batch(source, iteration: int, start: int, end: int) -> torch.Tensor:
     return torch.stack([source.sample(iteration, i) for i in range(start, end)])
 
 
-def check_batch_sizes(plan: Plan) -> None:
-    """The runtime needs sum(lbs) == gbs (plans may carry sum(lbs) > gbs)."""
-    lbs = [p.lbs for p in plan.pipelines]
-    if sum(lbs) != plan.gbs:
-        raise SpecError(f"sum of pipeline lbs {lbs} is {sum(lbs)} but gbs is {plan.gbs}; "
-                        f"the runtime requires equality")
-
-
 def pipeline_offset(plan: Plan, pipeline: int) -> int:
     return sum(p.lbs for p in plan.pipelines[:pipeline])
 

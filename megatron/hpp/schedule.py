@@ -36,10 +36,14 @@ class ComputeClock:
     emulate_speed: float = 0.0
     seconds: float = 0.0
     """Compute time of this step so far, including the emulation sleep."""
+    synchronize: object = None
+    """Called before reading the clock (CUDA: wait for the kernels); None on CPU."""
 
     def run(self, fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
+        if self.synchronize is not None:
+            self.synchronize()
         dt = time.perf_counter() - t0
         if self.emulate_speed > 0 and self.emulate_speed != 1.0:
             extra = dt * (1.0 / self.emulate_speed - 1.0)

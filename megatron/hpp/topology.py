@@ -131,8 +131,11 @@ class Layout:
             kinds[g.kind] = kinds.get(g.kind, 0) + 1
         lines.append("groups: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
                      + f" ({len(self.groups)} in all)")
+        blocks: dict = {}
         for key, ranks in self.holders.items():
-            lines.append(f"  hold {key}: {len(ranks)} ranks")
+            blocks.setdefault(ranks, []).append(key)
+        for ranks, keys in blocks.items():
+            lines.append(f"  hold group of {len(ranks)} ranks: {', '.join(keys)}")
         return "\n".join(lines)
 
 
@@ -254,6 +257,10 @@ def fake_build(layout: Layout, rank: int) -> Topology:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megatron.hpp.compat import quiet_megatron_warnings
+
+    quiet_megatron_warnings()
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         return build_topology(layout, rank)
@@ -287,7 +294,8 @@ def main(argv=None) -> int:
         topo = fake_build(layout, args.fake_rank)
         print(f"fake backend: rank {topo.rank} = pipeline {topo.pipeline} stage {topo.stage_index} "
               f"tp {topo.tp_rank} dp {topo.dp_rank}; created {len(layout.groups)} groups "
-              f"({len(topo.hold_groups) + 1} hold this rank) in {time.perf_counter() - t0:.2f} s")
+              f"(this rank is in {1 + len(set(map(id, topo.hold_groups.values())))}) "
+              f"in {time.perf_counter() - t0:.2f} s")
     return 0
 
 

@@ -77,16 +77,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 def prepare(cfg: TrainConfig):
-    """Steps 1 (no torch.distributed): returns (plan, layout, rank)."""
-    from megatron.hpp.data import check_batch_sizes
+    """Step 1 (pure Python: no torch import, no process group): returns (plan, layout, rank)."""
     from megatron.hpp.topology import check_plan
 
     plan = load_plan(cfg.plan)
     world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     layout = check_plan(plan, world)
-    check_batch_sizes(plan)
-    if cfg.data_path is None and plan.model.vocab < 2:
-        raise SpecError(f"model vocab {plan.model.vocab} is too small for synthetic data")
+    if cfg.data_path is not None:
+        if plan.model.vocab < 256:
+            raise SpecError(f"--data-path needs a byte vocabulary: model vocab {plan.model.vocab} < 256")
+        if not os.path.isfile(cfg.data_path):
+            raise SpecError(f"data file {cfg.data_path} does not exist")
     return plan, layout, rank
 
 
@@ -127,7 +128,8 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(it)
         optimizer.zero_grad(set_to_none=True)
-        clock = ComputeClock(speed)
+        clock = ComputeClock(speed, synchronize=None if backend.is_cpu
+                             else lambda: compat.synchronize(backend))
 
         def get_batch(mb, it=it):
             start, end = sample_range(plan, topo.pipeline, mb, stage.dp, topo.dp_rank)

@@ -51,3 +51,24 @@ def too_large_gbs_sum() -> Plan:
     """Valid as a plan (sum(lbs) 16 >= gbs 12) but the runtime requires equality."""
     return make(2, [PipelinePlan(2, 8, [stage([0], 1, 1, (0, 4))]),
                     PipelinePlan(2, 8, [stage([1], 1, 1, (0, 4))])], gbs=12)
+
+
+def large_1024() -> Plan:
+    """1024 ranks: 4 A100 pipelines (4 stages, tp 8 x dp 4) and 4 RTX3090 pipelines
+    (8 stages, tp 4 x dp 4) of GPT-3 1.3B, lbs 160 / 96 (gbs 1024)."""
+    from eth.model import get_model
+
+    c = Cluster.from_dict({"name": "big", "inter_node_gbps": 200,
+                           "nodes": [{"type": "A100", "devices_per_node": 8, "count": 64},
+                                     {"type": "RTX3090", "devices_per_node": 8, "count": 64}]})
+    model, pipes, rank = get_model("gpt3-1.3b"), [], 0
+    for kind, n_stages, tp, lbs in (("A100", 4, 8, 160), ("RTX3090", 8, 4, 96)):
+        per = model.num_layers // n_stages
+        for _ in range(4):
+            stages = []
+            for j in range(n_stages):
+                ranks = list(range(rank, rank + tp * 4))
+                rank += tp * 4
+                stages.append(StagePlan(ranks, kind, tp, 4, (j * per, (j + 1) * per)))
+            pipes.append(PipelinePlan(4, lbs, stages))
+    return Plan(model=model, cluster=c, gbs=1024, pipelines=pipes)

@@ -1,0 +1,110 @@
+"""Runtime pieces without real process groups: layout of a 1024-rank plan (symbolic and
+on torch's fake backend), data slicing, resharding overlaps, weight independence of
+the plan; plus bad-input launches that must fail on every rank with exit code 2."""
+import pytest
+
+import _rt_plans as plans
+from _rt_spawn import launch
+from eth.errors import PlanError
+from megatron.hpp import topology
+from megatron.hpp.data import SyntheticData, batch, overlaps, sample_range
+
+
+def test_layout_of_1024_rank_plan():
+    plan = plans.large_1024().validate()
+    layout = topology.check_plan(plan, 1024)
+    assert [s.rank for s in layout.slots] == list(range(1024))
+    tp_members = sorted(r for g in layout.groups if g.kind == "tp" for r in g.ranks)
+    assert tp_members == list(range(1024))  # every rank in exactly one tp group
+    # Layer 0 lives in the first stage of all 8 pipelines: 4 x 32 + 4 x 16 ranks.
+    assert len(layout.holders["layer 0"]) == 4 * 32 + 4 * 16
+    assert layout.holders["embedding"] == layout.holders["layer 0"]
+    # Layer 23 is in the last stage of every pipeline; every layer held by 192 ranks.
+    assert all(len(layout.holders[f"layer {i}"]) == 192 for i in range(24))
+    slot = layout.slots[700]  # RTX3090 part starts at 512; 128 ranks per pipeline
+    assert (slot.pipeline, slot.stage, slot.tp_rank, slot.dp_rank) == (5, 3, 0, 3)
+    text = layout.describe()
+    assert "world 1024" in text and "pipeline 7: mbs 4 lbs 96" in text
+
+
+def test_layout_errors_name_the_numbers():
+    plan = plans.large_1024()
+    with pytest.raises(PlanError, match="plan needs 1024 ranks, WORLD_SIZE is 32"):
+        topology.check_plan(plan, 32)
+    with pytest.raises(PlanError, match=r"sum of pipeline lbs is 16 but gbs is 12"):
+        topology.check_plan(plans.too_large_gbs_sum(), 2)
+
+
+def test_dry_run_cli_on_fake_backend(tmp_path, capsys):
+    plans.large_1024().save(tmp_path / "big.json")
+    assert topology.main(["--plan", str(tmp_path / "big.json"), "--dry-run", "--fake-rank", "700"]) == 0
+    out = capsys.readouterr().out
+    assert "fake backend: rank 700 = pipeline 5 stage 3 tp 0 dp 3" in out
+    assert topology.main(["--plan", str(tmp_path / "big.json"), "--world-size", "512"]) == 2
+    assert "plan needs 1024 ranks, WORLD_SIZE is 512" in capsys.readouterr().err
+
+
+def test_sample_ranges_cover_global_batch_once():
+    plan = plans.uneven_lbs_different_mbs()
+    seen = []
+    for i, pipe in enumerate(plan.pipelines):
+        for stage in pipe.stages:
+            per_stage = []
+            for mb in range(pipe.num_microbatches):
+                for d in range(stage.dp):
+                    per_stage.extend(range(*sample_range(plan, i, mb, stage.dp, d)))
+            assert per_stage == list(range(sum(p.lbs for p in plan.pipelines[:i]),
+                                           sum(p.lbs for p in plan.pipelines[:i + 1])))
+        seen.extend(per_stage)
+    assert seen == list(range(plan.gbs))
+    assert sample_range(plan, 0, 1, 1, 0) == (5, 10)       # lbs 10, mbs 5
+    assert sample_range(plan, 1, 2, 2, 1) == (10 + 4 + 1, 10 + 4 + 2)  # mbs 2 over dp 2
+
+
+def test_overlaps_reshard_every_sample_once():
+    for mbs, a, b in ((4, 1, 2), (4, 2, 1), (12, 4, 3), (6, 3, 2), (8, 8, 8)):
+        pieces = overlaps(mbs, a, b)
+        covered = sorted(i for _, _, lo, hi in pieces for i in range(lo, hi))
+        assert covered == list(range(mbs))
+        for s, d, lo, hi in pieces:
+            assert s * mbs // a <= lo < hi <= (s + 1) * mbs // a
+            assert d * mbs // b <= lo < hi <= (d + 1) * mbs // b
+    assert overlaps(12, 4, 3) == [(0, 0, 0, 3), (1, 0, 3, 4), (1, 1, 4, 6), (2, 1, 6, 8),
+                                  (2, 2, 8, 9), (3, 2, 9, 12)]
+
+
+def test_data_is_deterministic_per_sample():
+    data = SyntheticData(256, 32, 7)
+    whole = batch(data, 3, 0, 16)
+    assert whole.shape == (16, 33)
+    assert batch(data, 3, 5, 9).equal(whole[5:9])
+    assert not batch(data, 4, 0, 16).equal(whole)
+    assert int(whole.max()) < 256
+
+
+def test_weights_do_not_depend_on_tp():
+    import torch
+
+    from megatron.hpp.model import full_parameter, layer_specs
+
+    spec = plans.two_pipelines_different_depth().model
+    qkv = layer_specs(spec, 2)["qkv.weight"]
+    full = full_parameter(spec, qkv, 1234)
+    assert full.equal(full_parameter(spec, qkv, 1234))
+    assert not full.equal(full_parameter(spec, layer_specs(spec, 3)["qkv.weight"], 1234))
+    shards = [qkv.local(full, t, 2) for t in range(2)]
+    assert torch.cat(shards, 0).equal(full) and shards[0].shape == (3 * spec.hidden // 2, spec.hidden)
+
+
+def test_bad_input_fails_on_every_rank(tmp_path):
+    plans.tp_stage_next_to_dp_stage().save(tmp_path / "four.json")
+    plans.too_large_gbs_sum().save(tmp_path / "sum.json")
+    cases = [(2, tmp_path / "four.json", "plan needs 4 ranks, WORLD_SIZE is 2"),
+             (2, tmp_path / "sum.json", "sum of pipeline lbs is 16 but gbs is 12"),
+             (2, tmp_path / "missing.json", "does not exist")]
+    for nproc, path, message in cases:
+        results = launch(nproc, ["--hpp-plan", str(path), "--train-iters", "2"], timeout=60)
+        for r in results:
+            assert r.returncode == 2, (r.rank, r.returncode, r.stderr)
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and message in lines[0], r.stderr
