@@ -1,0 +1,170 @@
+"""Stage balancer: Aceso-style bottleneck alleviation for one stage device group.
+
+Objective (Eq. 1, batch B = Gbs in phase 1, Lbs in phase 3), see
+:mod:`eth.planner.evaluate`:
+
+    min over {tp, dp, ro, l, Mbs}   sum_j T_j + max_j T_j * (B / Mbs - 1)
+    subject to  tp_j * dp_j = devices of stage j,  Mbs mod dp_j = 0,
+                sum_j l_j = L, l_j >= 1, memory of every device <= capacity.
+
+:func:`initial_state` starts from a compute-proportional layer split (layers inversely
+proportional to the measured per-layer time of each stage), the smallest tp whose
+weight shard fits comfortably, and mbs = max dp (trying 1x, 2x and 4x of it).
+
+:func:`balance` then repeats: take the bottleneck stage (a memory-infeasible stage
+first, else the largest T_j; if nothing helps it, the runner-up) and evaluate the
+primitives
+
+  * move 1 (or a quarter of the) layers to the previous / next stage,
+  * tp <-> dp exchange (tp x2 / dp /2 and tp /2 / dp x2; tp * dp stays the stage's
+    devices), also combined with mbs x2 when the new dp needs it,
+  * mbs x2 / mbs /2 (mbs stays divisible by every stage's dp),
+  * re-split all layers in proportion to the current per-layer speed,
+
+with recompute re-derived for every candidate (least op-level recompute that fits).
+The best improving candidate is taken; the loop stops when nothing improves or the
+evaluation budget is spent.  The budget is set per stage group by
+:func:`eth.planner.pipeline.adaptive_budgets` (section 6).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
+
+
+def split_layers(num_layers: int, weights: list[float]) -> list[int]:
+    """Split ``num_layers`` in proportion to ``weights`` (largest remainder, >= 1 each)."""
+    n = len(weights)
+    if n > num_layers:
+        raise ValueError(f"{n} stages for {num_layers} layers")
+    total = sum(weights)
+    spare = num_layers - n
+    raw = [spare * w / total for w in weights]
+    counts = [1 + int(r) for r in raw]
+    rest = num_layers - sum(counts)
+    order = sorted(range(n), key=lambda i: (-(raw[i] - int(raw[i])), i))
+    for i in order[:rest]:
+        counts[i] += 1
+    return counts
+
+
+def resplit(ev: Evaluator, state: PipeState) -> PipeState:
+    """Layers inversely proportional to each stage's per-layer time at its tp/dp/mbs."""
+    speeds = [1.0 / ev.layer_ms(s, state.mbs) for s in state.stages]
+    counts = split_layers(ev.model.num_layers, speeds)
+    return replace(state, stages=tuple(replace(s, layers=c) for s, c in zip(state.stages, counts)))
+
+
+def _lcm(values) -> int:
+    from math import lcm
+    out = 1
+    for v in values:
+        out = lcm(out, v)
+    return out
+
+
+def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, Evaluation] | None:
+    """Warm start for stage device group ``stages`` ((type, devices), ...); None if no tp fits."""
+    model = ev.model
+    L = model.num_layers
+    share = L / len(stages)
+    layer_bytes = model.params_per_layer() * ev.cost.bytes_per_param
+    chosen = []
+    for t, n in stages:
+        tps = ev.valid_tps(t, n)
+        if not tps:
+            return None
+        cap = ev.cost.cluster.types[t].memory_bytes
+        tp = next((x for x in tps if layer_bytes * share / x <= 0.5 * cap), tps[-1])
+        chosen.append(StageState(t, n, tp, 1))
+    base = _lcm(s.dp for s in chosen)
+    best = None
+    for mult in (1, 2, 4):
+        mbs = base * mult
+        if mbs > max(batch, base):
+            break
+        state = resplit(ev, PipeState(tuple(chosen), mbs))
+        e = ev.evaluate(state, batch, ranks)
+        if best is None or e.key < best[1].key:
+            best = (state, e)
+    return best
+
+
+def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int) -> list[PipeState]:
+    """Primitive moves that may relieve stage ``j``."""
+    out = []
+    stages = list(state.stages)
+    st = stages[j]
+    # move layers to a neighbour
+    if st.layers > 1:
+        for k in sorted({1, max(1, st.layers // 4)}):
+            for nb in (j - 1, j + 1):
+                if 0 <= nb < len(stages):
+                    new = list(stages)
+                    new[j] = replace(st, layers=st.layers - k)
+                    new[nb] = replace(stages[nb], layers=stages[nb].layers + k)
+                    out.append(PipeState(tuple(new), state.mbs))
+    # tp <-> dp exchange
+    tps = ev.valid_tps(st.device_type, st.ndev)
+    for tp in (st.tp * 2, st.tp // 2):
+        if tp in tps:
+            new = list(stages)
+            new[j] = replace(st, tp=tp)
+            dp = st.ndev // tp
+            if state.mbs % dp == 0:
+                out.append(PipeState(tuple(new), state.mbs))
+            else:
+                mbs = _lcm([state.mbs, dp])
+                if mbs <= batch:
+                    out.append(PipeState(tuple(new), mbs))
+    # micro-batch size
+    if state.mbs * 2 <= batch:
+        out.append(PipeState(state.stages, state.mbs * 2))
+    half = state.mbs // 2
+    if half >= 1 and state.mbs % 2 == 0 and all(half % s.dp == 0 for s in stages):
+        out.append(PipeState(state.stages, half))
+    # re-split layers by current speed
+    out.append(resplit(ev, state))
+    return out
+
+
+def balance(ev: Evaluator, state: PipeState, batch: int, ranks, budget: int,
+            current: Evaluation | None = None) -> tuple[PipeState, Evaluation, int]:
+    """Bottleneck alleviation from ``state``; returns (state, evaluation, evaluations spent)."""
+    memo: dict = {}
+
+    def cost(s):
+        e = memo.get(s)
+        if e is None:
+            e = memo[s] = ev.evaluate(s, batch, ranks)
+        return e
+
+    cur = current or cost(state)
+    memo[state] = cur
+    spent = 1
+    while spent < budget:
+        order = sorted(range(len(state.stages)),
+                       key=lambda j: (-(cur.costs[j].memory_bytes > cur.costs[j].capacity_bytes),
+                                      -cur.costs[j].total_ms, j))
+        improved = False
+        for j in order[:2]:
+            best = None
+            for cand in neighbours(ev, state, j, batch):
+                if cand in memo:
+                    e = memo[cand]
+                else:
+                    e = cost(cand)
+                    spent += 1
+                if best is None or e.key < best[1].key:
+                    best = (cand, e)
+            if best is not None and best[1].key < cur.key and (
+                    best[1].overflow < cur.overflow or best[1].ms < cur.ms * (1 - 1e-9)):
+                state, cur = best
+                improved = True
+                break
+            if spent >= budget:
+                break
+        if not improved:
+            break
+    return state, cur, spent

@@ -1,0 +1,198 @@
+"""Search space: pipeline device groups, stage device groups and concrete ranks.
+
+Paper section 4.2.1 / 4.2.2, with the restrictions that keep large clusters tractable:
+
+* **Blocks.**  Devices of one type are interchangeable.  The ``c_t`` devices of type
+  ``t`` are cut into ``k_t <= max_blocks_per_type`` equal blocks of ``b_t`` devices
+  (:func:`make_blocks`; ``b_t`` is the smallest power of two, else the smallest divisor,
+  that brings ``k_t`` under the cap).  Small clusters (<= 8 devices per type) keep
+  ``b_t = 1``, i.e. the full space.  A pipeline is a vector ``n = (n_t)`` of block
+  counts (a device multiset); a **pipeline device group** is an unordered multiset of
+  such vectors summing to ``(k_t)`` -- a vector partition, generated lazily in
+  non-increasing lexicographic order by :func:`device_groups` and counted without
+  generation by :func:`count_groups`.  Pipelines whose aggregate memory cannot hold
+  the model's weights, gradients and optimizer states (:func:`pipeline_can_hold`) are
+  never generated.  1..N pipelines, N = number of blocks (and <= gbs).
+* **Stage device groups** (:func:`stage_groups`): stages are homogeneous (one device
+  type, the plan format requires it); the stages of one type inside a pipeline are
+  contiguous and equally sized, with size a power of two dividing the pipeline's count
+  of that type (or the whole count); the order of the type blocks is any permutation
+  (stage order matters under 1F1B).  1 <= #stages <= min(layers, max_stages).
+* **Ranks** (:func:`assign_ranks`): per type, stages of all pipelines are laid out on
+  that type's ranks (cluster order) by decreasing stage size, pipelines in order, so a
+  power-of-two stage starts at a multiple of its size: a pipeline takes whole nodes where
+  its size allows, and a stage's TP group (tp <= devices per node, tp | stage size)
+  stays inside one node.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+from eth.cluster import Cluster
+from eth.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Granularity of the enumeration for one cluster."""
+
+    types: tuple[str, ...]
+    """Device types in order of first appearance in the cluster."""
+    block: tuple[int, ...]
+    """Devices per block of each type."""
+    count: tuple[int, ...]
+    """Blocks of each type."""
+    ranks: tuple[tuple[int, ...], ...]
+    """Global ranks of each type, cluster order."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.count)
+
+    def devices(self, vec) -> tuple[int, ...]:
+        """Device count per type of a pipeline with block vector ``vec``."""
+        return tuple(n * b for n, b in zip(vec, self.block))
+
+    def label(self, vec) -> str:
+        return "+".join(f"{d}x{t}" for t, d in zip(self.types, self.devices(vec)) if d)
+
+
+def _block_size(count: int, cap: int) -> int:
+    if count <= cap:
+        return 1
+    b = 1
+    while count % (2 * b) == 0:
+        b *= 2
+        if count // b <= cap:
+            return b
+    for d in range(2, count + 1):
+        if count % d == 0 and count // d <= cap:
+            return d
+    return count
+
+
+def make_blocks(cluster: Cluster, max_blocks_per_type: int) -> Blocks:
+    """Cut each type's devices into at most ``max_blocks_per_type`` equal blocks."""
+    types, ranks = [], {}
+    for d in cluster.devices:
+        if d.type not in ranks:
+            types.append(d.type)
+            ranks[d.type] = []
+        ranks[d.type].append(d.rank)
+    block = tuple(_block_size(len(ranks[t]), max_blocks_per_type) for t in types)
+    count = tuple(len(ranks[t]) // b for t, b in zip(types, block))
+    return Blocks(tuple(types), block, count, tuple(tuple(ranks[t]) for t in types))
+
+
+def pipeline_can_hold(cluster: Cluster, blocks: Blocks, vec, model: ModelSpec,
+                      bytes_per_param: float) -> bool:
+    """Necessary memory condition: the pipeline's devices hold all states of the model."""
+    mem = sum(d * cluster.types[t].memory_bytes for t, d in zip(blocks.types, blocks.devices(vec)))
+    return mem >= model.num_params() * bytes_per_param
+
+
+def _sub_vectors(total, upper):
+    """Non-zero vectors v <= total (elementwise) with v <= upper (lexicographic), descending."""
+    for v in itertools.product(*[range(t, -1, -1) for t in total]):
+        if any(v) and v <= upper:
+            yield v
+
+
+def device_groups(total: tuple[int, ...], parts: int, ok=None):
+    """Lazily yield the vector partitions of ``total`` into exactly ``parts`` parts.
+
+    Each group is a tuple of block vectors in non-increasing lexicographic order (so
+    every unordered multiset appears once).  ``ok(vec)`` filters pipelines.
+    """
+    ok = ok or (lambda v: True)
+
+    def rec(rest, upper, k):
+        if k == 0:
+            if not any(rest):
+                yield ()
+            return
+        if sum(rest) < k:
+            return
+        for v in _sub_vectors(rest, upper):
+            if not ok(v):
+                continue
+            remaining = tuple(a - b for a, b in zip(rest, v))
+            for tail in rec(remaining, v, k - 1):
+                yield (v,) + tail
+
+    yield from rec(tuple(total), tuple(total), parts)
+
+
+def count_groups(total: tuple[int, ...], parts: int, ok=None) -> int:
+    """Number of groups :func:`device_groups` yields, by memoised recursion."""
+    ok = ok or (lambda v: True)
+    ok_cache: dict = {}
+
+    def good(v):
+        if v not in ok_cache:
+            ok_cache[v] = ok(v)
+        return ok_cache[v]
+
+    @functools.lru_cache(maxsize=None)
+    def rec(rest, upper, k):
+        if k == 0:
+            return 0 if any(rest) else 1
+        if sum(rest) < k:
+            return 0
+        return sum(rec(tuple(a - b for a, b in zip(rest, v)), v, k - 1)
+                   for v in _sub_vectors(rest, upper) if good(v))
+
+    return rec(tuple(total), tuple(total), parts)
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """Ordered stages of one pipeline: ((device_type, devices), ...)."""
+
+    stages: tuple[tuple[str, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def _stage_sizes(d: int, max_stages: int) -> list[int]:
+    sizes = {d}
+    s = 1
+    while s <= d:
+        if d % s == 0:
+            sizes.add(s)
+        s *= 2
+    return sorted(x for x in sizes if d // x <= max_stages)
+
+
+def stage_groups(types, devices, num_layers: int, max_stages: int) -> list[StageGroup]:
+    """All stage device groups of a pipeline with ``devices[t]`` devices of ``types[t]``."""
+    present = [(t, d) for t, d in zip(types, devices) if d]
+    limit = min(num_layers, max_stages)
+    result = []
+    for perm in itertools.permutations(present):
+        for sizes in itertools.product(*[_stage_sizes(d, limit) for _, d in perm]):
+            stages = tuple((t, s) for (t, d), s in zip(perm, sizes) for _ in range(d // s))
+            if 1 <= len(stages) <= limit:
+                result.append(StageGroup(stages))
+    return result
+
+
+def assign_ranks(blocks: Blocks, pipelines, start: dict | None = None) -> list[list[list[int]]]:
+    """Concrete ranks: ``pipelines[i]`` is a list of (device_type, size) stages.
+
+    Returns ranks[i][j] (list of global ranks of stage j of pipeline i).  Per type,
+    stages are placed by decreasing size (stable in pipeline, stage order).
+    """
+    out = [[None] * len(p) for p in pipelines]
+    for t, type_ranks in zip(blocks.types, blocks.ranks):
+        items = [(s, i, j) for i, p in enumerate(pipelines) for j, (tt, s) in enumerate(p) if tt == t]
+        items.sort(key=lambda x: (-x[0], x[1], x[2]))
+        cursor = (start or {}).get(t, 0)
+        for s, i, j in items:
+            out[i][j] = list(type_ranks[cursor:cursor + s])
+            cursor += s
+    return out

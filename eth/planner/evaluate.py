@@ -1,0 +1,186 @@
+"""Evaluation of one pipeline configuration: Eq. 1 with op-level recompute chosen to fit.
+
+A configuration (:class:`PipeState`) fixes, for every stage, its device type, device
+count, tp (dp = devices / tp) and number of layers, plus the pipeline's mbs.  Its cost
+for a batch ``B`` (Gbs in phase 1, Lbs in phase 3) is Eq. 1 of the paper:
+
+    min over {tp, dp, ro, l, Mbs} of  sum_j T_j + max_j T_j * (B / Mbs - 1)
+
+with T_j from :meth:`eth.cost.CostModel.stage_cost`.  The recompute set ``ro`` of a
+stage is not searched but derived (:meth:`Evaluator.fit_stage`, paper section 6): if
+the stage does not fit in device memory, ops are recomputed in order of saved
+activation bytes per recompute millisecond (high-memory, low-cost first), each in all
+of the stage's layers, until the stage fits; the last op's layer count is then reduced
+to the smallest number that still fits (binary search).  A stage that does not fit
+even with every op recomputed carries its overflow (bytes over capacity) as a penalty;
+configurations compare by (overflow, Eq. 1 time).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from eth.cost import CostModel, StageCost, eq1_pipeline_ms
+from eth.errors import SpecError
+from eth.model import LAYER_OPS
+
+
+@dataclass(frozen=True)
+class StageState:
+    device_type: str
+    ndev: int
+    tp: int
+    layers: int
+
+    @property
+    def dp(self) -> int:
+        return self.ndev // self.tp
+
+
+@dataclass(frozen=True)
+class PipeState:
+    """A pipeline configuration without its derived recompute sets."""
+
+    stages: tuple[StageState, ...]
+    mbs: int
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for s in self.stages:
+            out.append((start, start + s.layers))
+            start += s.layers
+        return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Cost of a PipeState for one batch."""
+
+    ms: float
+    """Eq. 1 time (ms); inf when a stage overflows memory."""
+    overflow: float
+    """Bytes over capacity summed over stages after maximal recompute (0 = fits)."""
+    costs: tuple[StageCost, ...]
+    recompute: tuple[tuple[tuple[str, int], ...], ...]
+    """Per stage: sorted (op, number of layers) pairs."""
+
+    @property
+    def key(self) -> tuple:
+        return (self.overflow, self.ms)
+
+    @property
+    def feasible(self) -> bool:
+        return self.overflow == 0
+
+
+class Evaluator:
+    """Evaluates PipeStates with a CostModel; memoises recompute fitting."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.model = cost.model
+        self._fit: dict = {}
+        self._order: dict = {}
+        self._tps: dict = {}
+        self.evaluations = 0
+
+    def valid_tps(self, device_type: str, ndev: int) -> tuple[int, ...]:
+        """tp degrees for a stage: divide ndev, fit in one node, split the model, profiled."""
+        key = (device_type, ndev)
+        if key not in self._tps:
+            per_node = min(g.devices_per_node for g in self.cost.cluster.nodes if g.type == device_type)
+            profiled = set(self.cost.profiles.get(device_type).tps(self.model))
+            ok = []
+            for tp in sorted(profiled):
+                if ndev % tp or tp > per_node:
+                    continue
+                try:
+                    self.model.check_tp(tp)
+                except SpecError:
+                    continue
+                ok.append(tp)
+            self._tps[key] = tuple(ok)
+        return self._tps[key]
+
+    def recompute_order(self, device_type: str, micro: int, tp: int) -> list[str]:
+        """Layer ops by saved activation bytes per recompute ms, best first."""
+        key = (device_type, micro, tp)
+        if key not in self._order:
+            ops, _ = self.cost.profiles.layer_costs(device_type, self.model, micro, tp)
+            cand = [op for op in LAYER_OPS if ops[op].act_bytes > 0]
+            cand.sort(key=lambda op: (-ops[op].act_bytes / max(ops[op].fwd_ms, 1e-9), LAYER_OPS.index(op)))
+            self._order[key] = cand
+        return self._order[key]
+
+    def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
+                  nmb: int, ranks, next_ranks):
+        """(StageCost, recompute pairs, overflow bytes) with the least recompute that fits."""
+        key = (st, layers[0] == 0, layers[1] == self.model.num_layers, mbs, j, num_stages, nmb,
+               tuple(ranks[:1] + ranks[st.tp - 1:st.tp]) if ranks else None,
+               tuple(next_ranks[:1]) if next_ranks else None)
+        hit = self._fit.get(key)
+        if hit is not None:
+            return hit
+
+        def cost(rec):
+            return self.cost.stage_cost(st.device_type, st.tp, st.dp, layers, mbs, rec, j, num_stages,
+                                        nmb, ranks, next_ranks)
+
+        c = cost(None)
+        result = (c, (), 0.0)
+        if not c.fits:
+            # memory = fixed + inflight * max(act - saved(recompute), 0); search the
+            # recompute set on that formula, then cost the chosen set once.
+            ops, _ = self.cost.profiles.layer_costs(st.device_type, self.model, mbs // st.dp, st.tp)
+            fixed = c.memory_bytes - c.inflight * c.act_bytes
+            room = c.capacity_bytes - fixed
+
+            def fits(rec):
+                saved = self.cost._recompute_savings(ops, rec)
+                return c.inflight * max(c.act_bytes - saved, 0.0) <= room
+
+            nl = layers[1] - layers[0]
+            chosen: dict[str, int] = {}
+            found = False
+            if room >= 0:
+                for op in self.recompute_order(st.device_type, mbs // st.dp, st.tp):
+                    chosen[op] = nl
+                    if fits(chosen):
+                        lo, hi = 0, nl
+                        while hi - lo > 1:
+                            mid = (lo + hi) // 2
+                            chosen[op] = mid
+                            if fits(chosen):
+                                hi = mid
+                            else:
+                                lo = mid
+                        chosen[op] = hi
+                        found = True
+                        break
+            if not found:
+                chosen = {op: nl for op in self.recompute_order(st.device_type, mbs // st.dp, st.tp)}
+            c = cost(chosen)
+            result = (c, tuple(sorted(chosen.items())), max(c.memory_bytes - c.capacity_bytes, 0.0))
+        self._fit[key] = result
+        return result
+
+    def evaluate(self, state: PipeState, batch: int, ranks) -> Evaluation:
+        """Eq. 1 for ``batch`` samples; ``ranks[j]`` are representative ranks of stage j."""
+        self.evaluations += 1
+        S = len(state.stages)
+        nmb = max(1, math.ceil(batch / state.mbs))
+        costs, recs, overflow = [], [], 0.0
+        for j, (st, rng) in enumerate(zip(state.stages, state.layer_ranges())):
+            c, rec, over = self.fit_stage(st, rng, state.mbs, j, S, nmb, ranks[j],
+                                          ranks[j + 1] if j + 1 < S else None)
+            costs.append(c)
+            recs.append(rec)
+            overflow += over
+        ms = eq1_pipeline_ms(costs, batch, state.mbs) if overflow == 0 else math.inf
+        return Evaluation(ms, overflow, tuple(costs), tuple(recs))
+
+    def layer_ms(self, st: StageState, mbs: int) -> float:
+        """Time of one middle layer of a stage (no boundary ops), for layer splitting."""
+        c = self.cost.stage_cost(st.device_type, st.tp, st.dp, (1, 2) if self.model.num_layers > 2 else (0, 1),
+                                 mbs)
+        return max(c.total_ms, 1e-9)

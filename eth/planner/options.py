@@ -1,0 +1,86 @@
+"""Typed configuration of the HPP search (the CLI is a thin layer over this)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from eth.errors import SpecError
+
+STRATEGIES = ("hpp",)
+"""Search strategies known to :func:`eth.planner.search.search`.  Baselines (Megatron
+uniform, Metis-style, HexiScale-style, TypeSplit-HPP) will register here."""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Knobs of the HPP planner.  Every optimisation of paper section 5 has a switch."""
+
+    gbs: int
+    """Global batch size (samples per iteration)."""
+    strategy: str = "hpp"
+    """Search strategy; only "hpp" is implemented (baselines come later)."""
+    cache: bool = True
+    """Section 5.1: reuse a pipeline's optimised configuration keyed by its device
+    multiset (and batch) across device groups."""
+    skip: bool = True
+    """Section 5.2: skip a device group whose summed pipeline throughput upper bounds
+    (deterministic bipartite bound, approximate bound x alpha) is below the best found."""
+    order: bool = True
+    """Section 5.3: visit device groups in ascending Eq. 9 cost within each pipeline count."""
+    dp: bool = True
+    """Section 5.4: switch to dynamic programming over device splits (Eq. 10) when early
+    skipping becomes ineffective or a pipeline count has too many device groups."""
+    alpha: float = 1.5
+    """Fault-tolerance factor (>= 1) of the approximate throughput bound."""
+    time_limit: float = 0.0
+    """Wall-clock limit of the search in seconds (0 = none).  When it is hit the best plan
+    found so far is returned and plan.search["time_limited"] is true."""
+    seed: int = 0
+    """Seeds the random device orderings tried by the dynamic programming (the rest of the
+    search is deterministic)."""
+    max_blocks_per_type: int = 8
+    """Enumeration granularity: the devices of each type are cut into at most this many
+    equal blocks (powers of two preferred); pipelines are multisets of blocks."""
+    max_stages: int = 16
+    """Largest number of stages of one pipeline."""
+    max_pipelines: int = 0
+    """Largest number of pipelines (0 = no limit besides the block count)."""
+    balance_budget: int = 150
+    """Base number of cost evaluations the stage balancer may spend on one stage device
+    group; scaled per group by the adaptive rule of section 6 (x0.25 .. x4)."""
+    stage_groups_topk: int = 6
+    """Stage device groups of a pipeline that get the full balancer, chosen by the cost of
+    their warm-started initial configuration (the others are only warm-started)."""
+    refine_margin: float = 0.10
+    """Phase 3 (refinement with Lbs) runs for device groups whose phase-2 iteration time
+    is within this fraction of the best found so far."""
+    dp_window: int = 64
+    """Device groups in the sliding window that measures the skip rate."""
+    dp_skip_threshold: float = 0.5
+    """Skip rate in the last window below which the search switches to DP (Eq. 10)."""
+    dp_group_limit: int = 4000
+    """Pipeline counts with more device groups than this are searched by DP only."""
+    dp_orderings: int = 2
+    """Random device orderings tried by DP in addition to the canonical ones."""
+    allow_overshoot: bool = False
+    """Accept sum(Lbs) > Gbs (paper constraint Eq. 3) when no exact split exists; by
+    default only exact splits are emitted because the runtime requires equality."""
+    progress: bool = False
+    """Show a tqdm progress bar on stderr."""
+
+    def __post_init__(self):
+        if not isinstance(self.gbs, int) or isinstance(self.gbs, bool) or self.gbs <= 0:
+            raise SpecError(f"gbs must be a positive integer, got {self.gbs!r}")
+        if self.strategy not in STRATEGIES:
+            raise SpecError(f"strategy {self.strategy!r} is not implemented; known: {', '.join(STRATEGIES)}")
+        if self.alpha < 1:
+            raise SpecError(f"alpha must be >= 1, got {self.alpha}")
+        if self.time_limit < 0:
+            raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
+        for name in ("max_blocks_per_type", "max_stages", "balance_budget", "stage_groups_topk",
+                     "dp_window"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def switches(self) -> dict:
+        """The options recorded in plan.search."""
+        return asdict(self)

@@ -1,0 +1,111 @@
+"""Phase 1 / phase 3 for one pipeline: best stage device group and configuration.
+
+:func:`optimise_pipeline` (phase 1, batch = Gbs) enumerates the pipeline's stage device
+groups (:func:`eth.planner.enumerate.stage_groups`), warm-starts each
+(:func:`eth.planner.balance.initial_state`), gives the ``stage_groups_topk`` best warm
+starts the full balancer with an adaptive budget, and returns the best.
+:func:`refine_pipeline` (phase 3) re-balances the chosen configuration for the
+pipeline's local batch (Eq. 1 with Lbs instead of Gbs).
+
+Adaptive balance time allocation (paper section 6) -- :func:`adaptive_budgets`:
+
+    Vmem_g  = Var_j(devices_j * memory(type_j))      over the stages j of group g
+    Vcomp_g = Var_j(devices_j * tflops(type_j))
+    nm_g = Vmem_g / mean(Vmem over peers),  nc_g = Vcomp_g / mean(Vcomp over peers)
+           (peers: groups with the same stage count; 1 when all peers are 0)
+    budget_g = clip(base / (nm_g * nc_g), base / 4, 4 * base)
+
+Higher variance -> a worse expected result -> less time.  Budgets count cost
+evaluations (not seconds), so the search stays deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eth.planner.balance import balance, initial_state
+from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, stage_groups
+from eth.planner.evaluate import Evaluation, Evaluator, PipeState
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Best configuration found for one pipeline device multiset and batch."""
+
+    vec: tuple[int, ...]
+    """Block vector of the pipeline (see eth.planner.enumerate.Blocks)."""
+    batch: int
+    """Batch the configuration was optimised for (Gbs or the pipeline's Lbs)."""
+    group: StageGroup
+    state: PipeState
+    evaluation: Evaluation
+    ranks: tuple[tuple[int, ...], ...]
+    """Representative ranks used while balancing (the final plan re-assigns ranks)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.evaluation.feasible
+
+    @property
+    def throughput(self) -> float:
+        """Samples per ms at ``batch`` (Eq. 1); 0 when infeasible."""
+        return self.batch / self.evaluation.ms if self.feasible else 0.0
+
+
+def adaptive_budgets(cluster, groups: list[StageGroup], base: int) -> list[int]:
+    """Section 6 budget of each stage group (see module docstring)."""
+    vm, vc = [], []
+    for g in groups:
+        mem = [n * cluster.types[t].memory_gb for t, n in g.stages]
+        comp = [n * cluster.types[t].tflops for t, n in g.stages]
+        vm.append(float(np.var(mem)))
+        vc.append(float(np.var(comp)))
+    budgets = []
+    for i, g in enumerate(groups):
+        peers = [k for k, h in enumerate(groups) if h.num_stages == g.num_stages]
+        nm = _normalise(vm[i], [vm[k] for k in peers])
+        nc = _normalise(vc[i], [vc[k] for k in peers])
+        factor = min(4.0, max(0.25, 1.0 / max(nm * nc, 1e-9)))
+        budgets.append(max(1, int(round(base * factor))))
+    return budgets
+
+
+def _normalise(value: float, peers: list[float]) -> float:
+    mean = sum(peers) / len(peers)
+    if mean <= 0:
+        return 1.0
+    return max(value / mean, 0.25)
+
+
+def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
+                      topk: int, max_stages: int) -> PipelineResult | None:
+    """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built."""
+    groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages)
+    if not groups:
+        return None
+    budgets = adaptive_budgets(ev.cost.cluster, groups, base_budget)
+    starts = []
+    for g, budget in zip(groups, budgets):
+        ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+        init = initial_state(ev, g.stages, batch, ranks)
+        if init is not None:
+            starts.append((init[1].key, len(starts), g, ranks, init, budget))
+    if not starts:
+        return None
+    starts.sort(key=lambda x: (x[0], x[1]))
+    best = None
+    for _, _, g, ranks, (state, e), budget in starts[:topk]:
+        state, e, _ = balance(ev, state, batch, ranks, budget, e)
+        if best is None or e.key < best.evaluation.key:
+            best = PipelineResult(tuple(vec), batch, g, state, e, ranks)
+    return best
+
+
+def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int) -> PipelineResult:
+    """Phase 3: re-balance ``result``'s configuration for its local batch ``lbs``."""
+    start = result.state
+    if start.mbs > lbs:
+        return result
+    state, e, _ = balance(ev, start, lbs, result.ranks, budget)
+    return PipelineResult(result.vec, lbs, result.group, state, e, result.ranks)

@@ -1,0 +1,389 @@
+"""The HPP search: pipeline device groups x three-phase hierarchical balance.
+
+For every pipeline count p = 1..N (N = blocks, <= Gbs) and every device group with p
+pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost with
+``order``), :meth:`HPPSearch.evaluate_group` runs the three phases of section 4.2.3:
+
+1. stage configurations with Lbs = Gbs (Eq. 1) for every pipeline
+   (:func:`eth.planner.pipeline.optimise_pipeline`; cached by block vector with ``cache``);
+2. greedy local batch allocation (Eq. 2-5, :func:`eth.planner.allocate.allocate`) with
+   AR_i^j from :meth:`eth.cost.CostModel.stage_allreduce_ms` (Eq. 6) on concrete ranks;
+3. for groups within ``refine_margin`` of the best: re-balance every pipeline with its
+   Lbs (Eq. 1 with Lbs, :func:`eth.planner.pipeline.refine_pipeline`), re-allocate
+   (its Mbs may have changed), and keep the refined plan only if it is predicted faster.
+
+Every candidate plan is scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6,
+memory check); the best feasible plan with sum Lbs == Gbs wins.
+
+Section 5 optimisations (each switchable): ``cache`` (5.1), ``skip`` (5.2,
+:mod:`eth.planner.bounds`), ``order`` (5.3, Eq. 7-9) and ``dp`` (5.4, Eq. 10,
+:mod:`eth.planner.dynprog`): when the skip rate over the last ``dp_window`` groups
+falls below ``dp_skip_threshold``, or a pipeline count has more than
+``dp_group_limit`` groups, the remaining groups of that and all larger pipeline counts
+are replaced by the DP partitions of several device orderings.
+"""
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from eth.cluster import Cluster
+from eth.cost import CostModel
+from eth.errors import InfeasibleError
+from eth.model import ModelSpec
+from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.allocate import Allocation, allocate, pipeline_line
+from eth.planner.bounds import approximate_bound, dominated, variance_cost
+from eth.planner.dynprog import split_dp
+from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
+                                   pipeline_can_hold)
+from eth.planner.evaluate import Evaluator
+from eth.planner.options import SearchOptions
+from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
+from eth.profiles import ProfileDB
+
+
+@dataclass
+class SearchStats:
+    """Counters recorded in plan.search."""
+
+    groups_total: int = 0
+    groups_evaluated: int = 0
+    groups_skipped: int = 0
+    groups_by_dp: int = 0
+    groups_not_visited: int = 0
+    cache_hits: int = 0
+    pipelines_optimised: int = 0
+    refinements: int = 0
+    cost_evaluations: int = 0
+    dp_triggered_at: int = 0
+    """Pipeline count at which DP took over (0 = never)."""
+    time_limited: bool = False
+    reasons: dict = field(default_factory=dict)
+    """Why evaluated groups produced no plan: reason -> count."""
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    iteration_ms: float
+    results: list[PipelineResult]
+
+
+class HPPSearch:
+    """One search over one model/cluster/profile database."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions):
+        self.model, self.cluster, self.opt = model, cluster, options
+        self.cost = CostModel(model, cluster, profiles)
+        self.ev = Evaluator(self.cost)
+        self.blocks = make_blocks(cluster, options.max_blocks_per_type)
+        self.facts = {t: (d.tflops, d.memory_gb) for t, d in cluster.types.items()}
+        self.stats = SearchStats()
+        self._cache: dict = {}
+        self._known: dict = {}      # vec -> phase-1 throughput (what skipping may use)
+        self._bound_memo: dict = {}
+        self._hold: dict = {}
+        self.best: Candidate | None = None
+        self._deadline = math.inf
+        self._window: deque = deque(maxlen=options.dp_window)
+        self._dp_done = False
+
+    # ------------------------------------------------------------------ helpers
+    def _devices(self, vec) -> dict[str, int]:
+        return {t: d for t, d in zip(self.blocks.types, self.blocks.devices(vec)) if d}
+
+    def can_hold(self, vec) -> bool:
+        if vec not in self._hold:
+            self._hold[vec] = pipeline_can_hold(self.cluster, self.blocks, vec, self.model,
+                                                self.cost.bytes_per_param)
+        return self._hold[vec]
+
+    def _out_of_time(self) -> bool:
+        if time.perf_counter() > self._deadline:
+            self.stats.time_limited = True
+            return True
+        return False
+
+    @property
+    def best_throughput(self) -> float:
+        return self.opt.gbs / self.best.iteration_ms if self.best else 0.0
+
+    # ------------------------------------------------------------------ phase 1 / 3
+    def phase1(self, vec) -> PipelineResult | None:
+        key = (vec, self.opt.gbs)
+        if self.opt.cache and key in self._cache:
+            self.stats.cache_hits += 1
+            return self._cache[key]
+        self.stats.pipelines_optimised += 1
+        result = optimise_pipeline(self.ev, self.blocks, vec, self.opt.gbs, self.opt.balance_budget,
+                                   self.opt.stage_groups_topk, self.opt.max_stages)
+        if self.opt.cache:
+            self._cache[key] = result
+        self._known[vec] = result.throughput if result is not None else 0.0
+        return result
+
+    def phase3(self, result: PipelineResult, lbs: int) -> PipelineResult:
+        key = (result.vec, lbs, result.state)
+        if self.opt.cache and key in self._cache:
+            self.stats.cache_hits += 1
+            return self._cache[key]
+        self.stats.refinements += 1
+        refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget)
+        if self.opt.cache:
+            self._cache[key] = refined
+        return refined
+
+    # ------------------------------------------------------------------ bounds
+    def upper_bound(self, vec) -> float:
+        """Throughput upper bound of one pipeline (section 5.2); inf if nothing is known."""
+        if vec in self._known:
+            return self._known[vec]
+        key = (vec, len(self._known))
+        if key in self._bound_memo:
+            return self._bound_memo[key]
+        devs = self._devices(vec)
+        bounds = [tp for other, tp in self._known.items()
+                  if dominated(devs, self._devices(other), self.facts)]
+        bound = min(bounds) if bounds else math.inf
+        cached = [(self._devices(o), tp) for o, tp in self._known.items() if tp > 0]
+        bound = min(bound, approximate_bound(devs, cached, self.facts, self.opt.alpha))
+        self._bound_memo[key] = bound
+        return bound
+
+    # ------------------------------------------------------------------ one group
+    def build_plan(self, results: list[PipelineResult], lbs) -> Plan:
+        ranks = assign_ranks(self.blocks, [list(r.group.stages) for r in results])
+        pipelines = []
+        for r, rk, n in zip(results, ranks, lbs):
+            stages = []
+            for st, rng, rec, sr in zip(r.state.stages, r.state.layer_ranges(),
+                                        r.evaluation.recompute, rk):
+                stages.append(StagePlan(sr, st.device_type, st.tp, st.dp, rng, dict(rec)))
+            pipelines.append(PipelinePlan(r.state.mbs, n, stages))
+        return Plan(self.model, self.cluster, self.opt.gbs, pipelines)
+
+    def _allocate(self, results) -> tuple[Plan, float] | None:
+        plan = self.build_plan(results, [r.state.mbs for r in results])
+        ar = self.cost.stage_allreduce_ms(plan.pipelines)
+        lines = [pipeline_line(r.evaluation.costs, r.state.mbs, a) for r, a in zip(results, ar)]
+        alloc: Allocation | None = allocate(lines, [r.state.mbs for r in results], self.opt.gbs,
+                                            self.opt.allow_overshoot)
+        if alloc is None:
+            self._reason("no Lbs split with sum == gbs")
+            return None
+        for p, n in zip(plan.pipelines, alloc.lbs):
+            p.lbs = n
+        ev = self.cost.evaluate(plan)
+        if not ev["feasible"]:
+            self._reason("memory after allocation")
+            return None
+        return plan, ev["iteration_ms"]
+
+    def _reason(self, why: str) -> None:
+        self.stats.reasons[why] = self.stats.reasons.get(why, 0) + 1
+
+    def evaluate_group(self, vecs) -> Candidate | None:
+        """Three-phase balance of one device group; updates the best plan."""
+        self.stats.groups_evaluated += 1
+        if len(vecs) > self.opt.gbs:
+            self._reason("more pipelines than gbs")
+            return None
+        results = []
+        for v in vecs:
+            r = self.phase1(v)
+            if r is None or not r.feasible:
+                self._reason("a pipeline does not fit in memory")
+                return None
+            results.append(r)
+        got = self._allocate(results)
+        if got is None:
+            return None
+        cand = Candidate(got[0], got[1], results)
+        if self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin):
+            for _ in range(2):
+                lbs = [p.lbs for p in cand.plan.pipelines]
+                refined = [self.phase3(r, n) for r, n in zip(cand.results, lbs)]
+                if any(not r.feasible for r in refined):
+                    break
+                again = self._allocate(refined)
+                if again is None or again[1] >= cand.iteration_ms * (1 - 1e-9):
+                    break
+                cand = Candidate(again[0], again[1], refined)
+                if [r.state.mbs for r in refined] == [r.state.mbs for r in results]:
+                    break
+                results = refined
+        if self.best is None or cand.iteration_ms < self.best.iteration_ms * (1 - 1e-12):
+            self.best = cand
+        return cand
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> Plan:
+        opt = self.opt
+        start = time.perf_counter()
+        if opt.time_limit:
+            self._deadline = start + opt.time_limit
+        total = self.blocks.count
+        max_p = min(self.blocks.total, opt.gbs, opt.max_pipelines or self.blocks.total)
+        counts = {p: count_groups(total, p, self.can_hold) for p in range(1, max_p + 1)}
+        self.stats.groups_total = sum(counts.values())
+        bar = _progress(self.stats.groups_total, opt.progress)
+        dp_mode = False
+        try:
+            for p in range(1, max_p + 1):
+                if counts[p] == 0:
+                    continue
+                if self._out_of_time():
+                    self.stats.groups_not_visited += counts[p]
+                    continue
+                if opt.dp and (dp_mode or counts[p] > opt.dp_group_limit):
+                    self._mark_dp(p)
+                    dp_mode = True
+                    self._run_dp(p)
+                    self.stats.groups_not_visited += counts[p]
+                    bar.update(counts[p])
+                    continue
+                visited = 0
+                for vecs in self._ordered_groups(p):
+                    if self._out_of_time():
+                        break
+                    visited += 1
+                    bar.update(1)
+                    self._visit(vecs)
+                    if opt.dp and self._skip_rate_low():
+                        self._mark_dp(p)
+                        dp_mode = True
+                        self._run_dp(p)
+                        break
+                self.stats.groups_not_visited += counts[p] - visited
+        finally:
+            bar.close()
+        self.stats.cost_evaluations = self.ev.evaluations
+        if self.best is None:
+            raise InfeasibleError(self._infeasible_message(counts))
+        plan = self.best.plan
+        self.cost.annotate(plan)
+        plan.search = {
+            "strategy": opt.strategy, "time_s": round(time.perf_counter() - start, 3),
+            "seed": opt.seed, "options": opt.switches(),
+            "blocks": {t: {"devices_per_block": b, "blocks": k}
+                       for t, b, k in zip(self.blocks.types, self.blocks.block, self.blocks.count)},
+            "candidates": {"groups_total": self.stats.groups_total,
+                           "evaluated": self.stats.groups_evaluated,
+                           "skipped": self.stats.groups_skipped,
+                           "by_dp": self.stats.groups_by_dp,
+                           "not_visited": self.stats.groups_not_visited},
+            "cache_hits": self.stats.cache_hits,
+            "pipelines_optimised": self.stats.pipelines_optimised,
+            "refinements": self.stats.refinements,
+            "cost_evaluations": self.stats.cost_evaluations,
+            "dp_triggered_at_pipelines": self.stats.dp_triggered_at,
+            "time_limited": self.stats.time_limited,
+        }
+        return plan.validate()
+
+    def _mark_dp(self, p: int) -> None:
+        if not self.stats.dp_triggered_at:
+            self.stats.dp_triggered_at = p
+
+    def _ordered_groups(self, p):
+        groups = device_groups(self.blocks.count, p, self.can_hold)
+        if not self.opt.order:
+            return groups
+        tflops = {t: d.tflops for t, d in self.cluster.types.items()}
+        keyed = [(variance_cost([self._devices(v) for v in g], tflops, self.opt.gbs,
+                                self.model.num_layers), i, g) for i, g in enumerate(groups)]
+        keyed.sort(key=lambda x: (x[0], x[1]))
+        return (g for _, _, g in keyed)
+
+    def _visit(self, vecs) -> None:
+        if self.opt.skip and self.best is not None:
+            bound = sum(self.upper_bound(v) for v in vecs)
+            if bound < self.best_throughput * (1 - 1e-9):
+                self.stats.groups_skipped += 1
+                self._window.append(1)
+                return
+        self._window.append(0)
+        self.evaluate_group(vecs)
+
+    def _skip_rate_low(self) -> bool:
+        w = self._window
+        return len(w) == w.maxlen and sum(w) / len(w) < self.opt.dp_skip_threshold
+
+    def _orderings(self) -> list[list[int]]:
+        types = range(len(self.blocks.types))
+        strong = sorted(types, key=lambda t: (-self.facts[self.blocks.types[t]][0], t))
+        major = [t for t in strong for _ in range(self.blocks.count[t])]
+        left = {t: self.blocks.count[t] for t in types}
+        interleaved = []
+        while any(left.values()):
+            for t in strong:
+                if left[t]:
+                    interleaved.append(t)
+                    left[t] -= 1
+        orders = [major, list(reversed(major)), interleaved]
+        rng = random.Random(self.opt.seed)
+        for _ in range(self.opt.dp_orderings):
+            shuffled = list(major)
+            rng.shuffle(shuffled)
+            orders.append(shuffled)
+        unique = []
+        for o in orders:
+            if o not in unique:
+                unique.append(o)
+        return unique
+
+    def _run_dp(self, p: int) -> None:
+        """Eq. 10 partitions for every remaining pipeline count, evaluated once each."""
+        if self._dp_done:
+            return
+        self._dp_done = True
+        max_p = min(self.blocks.total, self.opt.gbs, self.opt.max_pipelines or self.blocks.total)
+
+        def throughput(vec):
+            if not self.can_hold(vec) or self._out_of_time():
+                return 0.0
+            r = self.phase1(vec)
+            return r.throughput if r is not None else 0.0
+
+        seen = set()
+        for order in self._orderings():
+            if self._out_of_time():
+                break
+            for q, (_, vecs) in sorted(split_dp(order, len(self.blocks.types), max_p, throughput).items()):
+                if q < p or vecs in seen or self._out_of_time():
+                    continue
+                seen.add(vecs)
+                self.stats.groups_by_dp += 1
+                self.evaluate_group(vecs)
+
+    def _infeasible_message(self, counts) -> str:
+        need = self.model.num_params() * self.cost.bytes_per_param / 1e9
+        have = sum(d.memory_gb * n for d, n in
+                   ((self.cluster.types[t], c) for t, c in self.cluster.type_counts().items()))
+        if not any(counts.values()):
+            return (f"model {self.model.name} needs {need:.1f} GB for weights, gradients and optimizer "
+                    f"states but the cluster has {have:.1f} GB of device memory")
+        if self.stats.time_limited and self.stats.groups_evaluated == 0:
+            return f"time limit {self.opt.time_limit}s reached before any device group was evaluated"
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.reasons.items())) or "none evaluated"
+        return (f"no feasible plan for model {self.model.name} with gbs {self.opt.gbs} on "
+                f"{self.cluster.world_size} devices ({self.stats.groups_evaluated} device groups "
+                f"evaluated; {reasons})")
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="group", leave=False,
+                dynamic_ncols=True)
+
+
+def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:
+    """Run the configured strategy and return a validated, annotated plan."""
+    if options.strategy == "hpp":
+        return HPPSearch(model, cluster, profiles, options).run()
+    raise InfeasibleError(f"strategy {options.strategy!r} is not implemented")

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Offline HPP planner: cluster + model + profiles -> plan.json.
+
+    python tools/search_hpp.py --model gpt3-13b --cluster examples/clusters/b2b4-64.yaml \
+        --profiles profiles/ --gbs 1024 --seq 2048 -o plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="model preset name (eth.model.PRESETS)")
+    p.add_argument("--cluster", required=True, help="cluster YAML file")
+    p.add_argument("--profiles", help="profile JSON file or folder; device types without a profile "
+                                      "for the model get analytic profiles in memory")
+    p.add_argument("--gbs", type=int, required=True, help="global batch size")
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    p.add_argument("--strategy", default="hpp", help="search strategy")
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds, 0 = none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=1.5, help="approximate-bound tolerance factor")
+    p.add_argument("--no-cache", action="store_true", help="disable the pipeline configuration cache")
+    p.add_argument("--no-skip", action="store_true", help="disable early skipping")
+    p.add_argument("--no-order", action="store_true", help="disable variance ordering (Eq. 9)")
+    p.add_argument("--no-dp", action="store_true", help="disable dynamic programming (Eq. 10)")
+    p.add_argument("--allow-overshoot", action="store_true",
+                   help="accept sum(lbs) > gbs when no exact split exists")
+    p.add_argument("--max-blocks-per-type", type=int, default=8)
+    p.add_argument("--max-stages", type=int, default=16)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from eth.errors import SpecError
+    try:
+        from eth.cluster import load_cluster
+        from eth.model import get_model
+        from eth.planner.options import SearchOptions
+        from eth.planner.search import search
+        from eth.planner.summary import format_plan
+        from eth.profiles import ProfileDB
+
+        model = get_model(args.model, seq_len=args.seq)
+        cluster = load_cluster(args.cluster)
+        db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
+        added = db.ensure(model, cluster.types.values())
+        if added:
+            print(f"note: analytic profiles (roofline estimates) for {model.name} on "
+                  f"{', '.join(added)}", file=sys.stderr)
+        options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
+                                skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
+                                alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
+                                max_blocks_per_type=args.max_blocks_per_type,
+                                max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
+                                progress=not args.no_progress)
+        plan = search(model, cluster, db, options)
+        if added:
+            plan.search["analytic_profiles"] = added
+        print(format_plan(plan))
+        if args.output:
+            plan.save(args.output)
+            print(f"wrote {args.output}")
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
