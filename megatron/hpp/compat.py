@@ -134,3 +134,48 @@ def tp_group_globals(tp_group):
         yield
     finally:
         ps._TENSOR_MODEL_PARALLEL_GROUP = saved
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    return torch.device(device).type == "cuda"
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu():
+    """Redirect hard-coded CUDA calls of megatron-core to the CPU; inactive with CUDA.
+
+    Covers ``device="cuda"`` / ``device=torch.cuda.current_device()`` tensor
+    factories, ``Tensor.cuda()``, ``torch.cuda.current_device`` and
+    ``torch.cuda.synchronize``.  The HPP runtime's own code path does not need it;
+    megatron's GPTModel + schedule (bench/runtime_overhead.py) does.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def on_cpu(factory):
+        def wrapper(*args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return wrapper
+
+    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint"):
+        patch(torch, name, on_cpu(getattr(torch, name)))
+    patch(torch.cuda, "current_device", lambda: "cpu")
+    patch(torch.cuda, "synchronize", lambda *a, **k: None)
+    patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)

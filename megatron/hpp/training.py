@@ -91,55 +91,80 @@ def prepare(cfg: TrainConfig):
     return plan, layout, rank
 
 
-def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
-    """Steps 2-4; returns the per-iteration losses (on every rank)."""
-    from megatron.hpp import compat
+@dataclass
+class StepResult:
+    loss: float
+    """Mean per-sample loss of the global batch (all pipelines)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    compute_s: list
+    """Per pipeline: compute seconds of its slowest rank (emulation included)."""
+    elapsed_s: float
 
-    compat.quiet_megatron_warnings()
-    import torch
-    import torch.distributed as dist
 
-    from megatron.hpp.data import ByteTextData, SyntheticData, batch, sample_range
-    from megatron.hpp.grad_sync import GradSync, clip_gradients, gather_parameters, make_optimizer
-    from megatron.hpp.model import GPTStage
-    from megatron.hpp.schedule import ComputeClock, StageComm, one_f_one_b
-    from megatron.hpp.topology import build_topology
+class Trainer:
+    """Steps 2-3 in the constructor (default group, topology, stage, optimizer); step 4
+    in :meth:`step`.  Needs RANK/WORLD_SIZE/MASTER_* unless a default group exists."""
 
-    plan, spec = layout.plan, layout.plan.model
-    backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
-    if not dist.is_initialized():
-        dist.init_process_group(backend.name, rank=rank, world_size=layout.world_size)
-    topo = build_topology(layout, rank, compat.device_name(backend))
-    stage = topo.stage
-    tracker = compat.setup_rng(backend, cfg.seed, cfg.seed + 7919 * (1 + topo.tp_root), topo.tp_rank)
-    model = GPTStage(spec, stage.layers, topo.is_first, topo.is_last, topo.tp_group, tracker,
-                     stage.recompute, cfg.seed).to(backend.device)
-    model.train()
-    sync, optimizer = GradSync(model, topo), make_optimizer(model, cfg.lr, cfg.weight_decay)
-    source = (ByteTextData(cfg.data_path, spec.vocab, spec.seq_len, cfg.seed) if cfg.data_path
-              else SyntheticData(spec.vocab, spec.seq_len, cfg.seed))
-    comm = StageComm(topo, (spec.seq_len, spec.hidden), torch.float32, backend.device)
-    speed = plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
-    emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in plan.cluster.types.values())
-    num_pipes = len(plan.pipelines)
-    losses = []
-    for it in range(cfg.train_iters):
+    def __init__(self, cfg: TrainConfig, layout, rank: int):
+        from megatron.hpp import compat
+
+        compat.quiet_megatron_warnings()
+        import torch
+        import torch.distributed as dist
+
+        from megatron.hpp.data import ByteTextData, SyntheticData
+        from megatron.hpp.grad_sync import GradSync, make_optimizer
+        from megatron.hpp.model import GPTStage
+        from megatron.hpp.schedule import StageComm
+        from megatron.hpp.topology import build_topology
+
+        self.cfg, self.plan, spec = cfg, layout.plan, layout.plan.model
+        self.backend = backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
+        if not dist.is_initialized():
+            dist.init_process_group(backend.name, rank=rank, world_size=layout.world_size)
+        self.topo = topo = build_topology(layout, rank, compat.device_name(backend))
+        stage = topo.stage
+        tracker = compat.setup_rng(backend, cfg.seed, cfg.seed + 7919 * (1 + topo.tp_root), topo.tp_rank)
+        self.model = GPTStage(spec, stage.layers, topo.is_first, topo.is_last, topo.tp_group, tracker,
+                              stage.recompute, cfg.seed).to(backend.device)
+        self.model.train()
+        self.sync = GradSync(self.model, topo)
+        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        self.source = (ByteTextData(cfg.data_path, spec.vocab, spec.seq_len, cfg.seed) if cfg.data_path
+                       else SyntheticData(spec.vocab, spec.seq_len, cfg.seed))
+        self.comm = StageComm(topo, (spec.seq_len, spec.hidden), torch.float32, backend.device)
+        self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
+        self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
+
+    def _batch(self, iteration: int, mb: int):
+        from megatron.hpp.data import batch, sample_range
+
+        topo = self.topo
+        start, end = sample_range(self.plan, topo.pipeline, mb, topo.stage.dp, topo.dp_rank)
+        tokens = batch(self.source, iteration, start, end).to(self.backend.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def step(self, iteration: int) -> StepResult:
+        import torch
+        import torch.distributed as dist
+
+        from megatron.hpp import compat
+        from megatron.hpp.grad_sync import clip_gradients
+        from megatron.hpp.schedule import ComputeClock, one_f_one_b
+
+        backend, topo, num_pipes = self.backend, self.topo, len(self.plan.pipelines)
         t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr_at(it)
-        optimizer.zero_grad(set_to_none=True)
-        clock = ComputeClock(speed, synchronize=None if backend.is_cpu
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr_at(iteration)
+        self.optimizer.zero_grad(set_to_none=True)
+        clock = ComputeClock(self.speed, synchronize=None if backend.is_cpu
                              else lambda: compat.synchronize(backend))
-
-        def get_batch(mb, it=it):
-            start, end = sample_range(plan, topo.pipeline, mb, stage.dp, topo.dp_rank)
-            tokens = batch(source, it, start, end).to(backend.device)
-            return tokens[:, :-1], tokens[:, 1:]
-
-        loss = one_f_one_b(model, topo, comm, get_batch, 1.0 / plan.gbs, clock)
-        sync.sync()
-        grad_norm = clip_gradients(model, topo, cfg.clip_grad)
-        optimizer.step()
+        loss = one_f_one_b(self.model, topo, self.comm, lambda mb: self._batch(iteration, mb),
+                           1.0 / self.plan.gbs, clock)
+        self.sync.sync()
+        grad_norm = clip_gradients(self.model, topo, self.cfg.clip_grad)
+        self.optimizer.step()
         compat.synchronize(backend)
         stats = torch.zeros(1 + num_pipes, dtype=torch.float64, device=backend.device)
         if topo.tp_rank == 0:
@@ -148,17 +173,31 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
         summed = stats.clone()
         dist.all_reduce(summed)                      # loss: sum over last-stage replicas
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute: slowest rank of each pipeline
-        losses.append(float(summed[0]))
-        elapsed = (time.perf_counter() - t0) * 1e3
+        return StepResult(float(summed[0]), grad_norm, stats[1:].tolist(), time.perf_counter() - t0)
+
+    def log_line(self, iteration: int, r: StepResult) -> str:
+        per_pipe = ", ".join(f"p{i} {t * 1e3:.1f}" for i, t in enumerate(r.compute_s))
+        return (f"iteration {iteration + 1}/{self.cfg.train_iters} | loss {r.loss:.6f} | grad norm "
+                f"{r.grad_norm:.4f} | lr {self.cfg.lr_at(iteration):.3g} | time "
+                f"{r.elapsed_s * 1e3:.1f} ms | compute ms {per_pipe}"
+                + (" (emulated)" if self.emulated else ""))
+
+
+def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
+    """Steps 2-4; returns the per-iteration losses (on every rank)."""
+    from megatron.hpp.grad_sync import gather_parameters
+
+    trainer, losses = Trainer(cfg, layout, rank), []
+    for it in range(cfg.train_iters):
+        result = trainer.step(it)
+        losses.append(result.loss)
         if rank == 0 and ((it + 1) % cfg.log_interval == 0 or it + 1 == cfg.train_iters):
-            per_pipe = ", ".join(f"p{i} {stats[1 + i].item() * 1e3:.1f}" for i in range(num_pipes))
-            print(f"iteration {it + 1}/{cfg.train_iters} | loss {losses[-1]:.6f} | grad norm "
-                  f"{grad_norm:.4f} | lr {cfg.lr_at(it):.3g} | time {elapsed:.1f} ms | compute ms "
-                  f"{per_pipe}{' (emulated)' if emulated else ''}", flush=True)
+            print(trainer.log_line(it, result), flush=True)
     if cfg.save_params:
-        params = gather_parameters(model, topo)
+        params = gather_parameters(trainer.model, trainer.topo)
         if rank == 0:
-            _save(cfg.save_params, {"params": params, "losses": losses, "plan_hash": plan.content_hash()})
+            _save(cfg.save_params, {"params": params, "losses": losses,
+                                    "plan_hash": layout.plan.content_hash()})
     return losses
 
 
