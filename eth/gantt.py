@@ -22,11 +22,13 @@ COLORS = {
 }
 LEGEND = {
     "forward": "forward", "recompute": "recompute", "backward": "backward",
-    "comm": "p2p transfer (link)", "allreduce": "gradient All-Reduce",
+    "comm": "p2p transfer (link, >= 1 px)", "allreduce": "gradient All-Reduce",
     "optimizer": "optimizer step", "idle": "idle",
 }
 BAND = 0.68      # height of the main band of a row
 LANE = 0.14      # height of the p2p lane under it
+WIDTH_IN = 14    # figure width, inches
+DPI = 110
 
 
 def plot_gantt(result, path, labels: dict[tuple[int, int], str] | None = None,
@@ -42,9 +44,11 @@ def plot_gantt(result, path, labels: dict[tuple[int, int], str] | None = None,
     rows = [(s.pipeline, s.stage) for row in result.stages for s in row]
     y_of = {key: y for y, key in enumerate(rows)}
     span = max(result.iteration_ms, 1e-9)
-    fig_h = 1.6 + 0.55 * len(rows)
-    fig = Figure(figsize=(14, fig_h), dpi=110)
+    row_in = max(0.18, min(0.55, 24 / len(rows)))      # inches per row; large plans shrink rows
+    fig_h = 1.6 + row_in * len(rows)
+    fig = Figure(figsize=(WIDTH_IN, fig_h), dpi=DPI)
     ax = fig.subplots()
+    pixel_ms = span / (WIDTH_IN * DPI * 0.85)           # ~ms per pixel of the time axis
 
     for key, y in y_of.items():
         ax.broken_barh([(0, span)], (y - BAND / 2, BAND), facecolors=COLORS["idle"], zorder=1)
@@ -53,11 +57,14 @@ def plot_gantt(result, path, labels: dict[tuple[int, int], str] | None = None,
         by_kind.setdefault((e.kind, y_of[(e.pipeline, e.stage)]), []).append((e.start_ms, e.duration_ms))
     for (kind, y), bars in by_kind.items():
         if kind == "comm":
-            ax.broken_barh(bars, (y + BAND / 2 + 0.02, LANE), facecolors=COLORS[kind],
-                           edgecolor="white", linewidth=0.2, zorder=2)
+            # transfers are often far shorter than a pixel: draw them at least 1 px wide
+            bars = [(start, max(width, pixel_ms)) for start, width in bars]
+            ax.broken_barh(bars, (y + BAND / 2 + 0.02, LANE), facecolors=COLORS[kind], zorder=2)
         else:
+            # white separators between consecutive bars only where bars are several px wide
+            narrow = sorted(width for _, width in bars)[len(bars) // 2] < 4 * pixel_ms
             ax.broken_barh(bars, (y - BAND / 2, BAND), facecolors=COLORS[kind],
-                           edgecolor="white", linewidth=0.4, zorder=2)
+                           edgecolor="white", linewidth=0 if narrow else 0.4, zorder=2)
 
     # micro-batch numbers where a bar is wide enough (about 1.3% of the axis per digit)
     for e in result.events:
@@ -74,7 +81,8 @@ def plot_gantt(result, path, labels: dict[tuple[int, int], str] | None = None,
 
     labels = labels or {}
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([labels.get(key, f"P{key[0]} S{key[1]}") for key in rows], fontsize=9)
+    ax.set_yticklabels([labels.get(key, f"P{key[0]} S{key[1]}") for key in rows],
+                       fontsize=9 if row_in >= 0.3 else 6)
     ax.set_ylim(len(rows) - 0.5 + LANE, -0.5)
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time (ms)")

@@ -1,0 +1,120 @@
+"""tools/show_plan.py and the text/PNG views behind it (eth/report.py, eth/gantt.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eth.cli import run_main
+from eth.cluster import Cluster
+from eth.cost import CostModel
+from eth.model import get_model
+from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.profiles import ProfileDB, analytic_profile, save_profile
+from eth.report import format_plan_table, format_ranks, format_recompute, format_sim_summary
+from eth.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "show_plan.py"
+
+
+@pytest.fixture(scope="module")
+def show_plan():
+    spec = importlib.util.spec_from_file_location("show_plan_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_plan() -> Plan:
+    cluster = Cluster.from_dict({"name": "a100-3090-4", "inter_node_gbps": 200, "inter_type_gbps": 100,
+                                 "nodes": [{"type": "A100", "devices_per_node": 2},
+                                           {"type": "RTX3090", "devices_per_node": 2}]})
+    model = get_model("tiny")
+    p0 = PipelinePlan(4, 24, [StagePlan([0], "A100", 1, 1, (0, 1)),
+                              StagePlan([1], "A100", 1, 1, (1, 4), {"softmax": 3, "attn-dropout": 2, "qkv": 1})])
+    p1 = PipelinePlan(2, 8, [StagePlan([2, 3], "RTX3090", 1, 2, (0, 4))])
+    return Plan(model, cluster, 32, [p0, p1]).validate()
+
+
+def test_format_helpers():
+    assert format_ranks([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
+    assert format_ranks([5]) == "5"
+    assert format_recompute({"attn-dropout": 4, "softmax": 4, "qkv": 0}) == "4 AS, 4 AD"
+    assert format_recompute({}) == "None"
+
+
+def test_plan_table_rows_without_and_with_predictions():
+    plan = make_plan()
+    text = format_plan_table(plan)
+    lines = text.splitlines()
+    assert "Pipe-0  Mbs=4  Lbs=24  (6 micro-batches)" in lines
+    assert "Pipe-1  Mbs=2  Lbs=8  (4 micro-batches)" in lines
+    row = next(line.split() for line in lines if "A100x1" in line and "1-3" in line)
+    # stage, ranks, device, TP/DP, #L, layers, recompute (3 words with commas), fwd, bwd, mem
+    assert row[:6] == ["1", "1", "A100x1", "1/1", "3", "1-3"]
+    assert " ".join(row[6:12]) == "1 Qkv, 3 AS, 2 AD" and row[12:] == ["-", "-", "-"]
+    assert any(line.split()[:5] == ["0", "2-3", "RTX3090x2", "1/2", "4"] for line in lines)
+
+    db = ProfileDB()
+    db.ensure(plan.model, plan.cluster.types.values())
+    CostModel(plan.model, plan.cluster, db).annotate(plan)
+    text = format_plan_table(plan)
+    pred = plan.pipelines[1].stages[0].predicted
+    row = next(line.split() for line in text.splitlines() if "RTX3090x2" in line)
+    assert row[-3:] == [f"{pred['fwd_ms']:.2f}", f"{pred['bwd_ms']:.2f}", f"{pred['memory_gb']:.2f}"]
+    assert f"{plan.predicted['iteration_ms']:.2f} ms" in text
+
+
+def test_sim_summary_lists_every_stage():
+    plan = make_plan()
+    result = simulate(plan)
+    text = format_sim_summary(plan, result)
+    assert f"{result.iteration_ms:.2f} ms" in text.splitlines()[0]
+    rows = [line.split() for line in text.splitlines()[2:-1]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("0", "0", "0"), ("0", "1", "1"), ("1", "0", "2-3")]
+    s = result.stages[1][0]
+    assert rows[2][4] == f"{s.compute_ms:.2f}" and rows[2][8] == f"{s.idle_ms:.2f}"
+
+
+def test_show_plan_prints_table_and_writes_png(show_plan, tmp_path, capsys):
+    plan = make_plan()
+    plan.save(tmp_path / "plan.json")
+    for device in plan.cluster.types.values():
+        save_profile(analytic_profile(device, [plan.model]), tmp_path / "prof" / f"{device.name}.json")
+    out = tmp_path / "gantt" / "plan.png"
+    rc = run_main(show_plan.main, [str(tmp_path / "plan.json"), "--png", str(out),
+                                   "--profiles", str(tmp_path / "prof")])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "Pipe-0  Mbs=4  Lbs=24" in text and "RTX3090x2" in text and "3 AS" in text
+    assert "analytic roofline profiles generated" not in text
+    expect = simulate(plan, profiles=ProfileDB.load(tmp_path / "prof"))
+    assert f"{expect.iteration_ms:.2f} ms" in text
+    assert "computed now by the cost model" in text        # the saved plan had no predictions
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_show_plan_bad_input_exits_2(show_plan, tmp_path, capsys):
+    assert run_main(show_plan.main, [str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = make_plan().to_dict()
+    bad["pipelines"][0]["lbs"] = 23                         # not a multiple of mbs 4
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert run_main(show_plan.main, [str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "lbs 23" in err and "\n" not in err
+
+
+def test_show_plan_script_on_a_broken_file(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": 1, "pipelines": [')
+    proc = subprocess.run([sys.executable, str(TOOL), str(broken)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: ") and "not valid JSON" in proc.stderr
