@@ -43,6 +43,7 @@ the sends become transfer events.  Nothing here uses the closed form of Eq. 5.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eth.cost import CostModel, StageCost, eq6_allreduce_ms
@@ -207,9 +208,13 @@ def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> lis
     return order
 
 
-def simulate_timings(pipelines: list[PipelineTiming], blocks: list[AllReduceBlock] = (),
-                     ranks: list[list[tuple[int, ...]]] | None = None) -> SimResult:
-    """Simulate pipelines given per-stage timings and All-Reduce blocks."""
+def simulate_timings(pipelines: Sequence[PipelineTiming], blocks: Sequence[AllReduceBlock] = (),
+                     ranks: Sequence[Sequence[tuple[int, ...]]] | None = None) -> SimResult:
+    """Simulate pipelines given per-stage timings and All-Reduce blocks.
+
+    ``ranks[i][j]`` (optional) are the global ranks of stage j of pipeline i, used only
+    to report per-device busy time.
+    """
     for b in blocks:
         for p, j in b.holders:
             if not (0 <= p < len(pipelines) and 0 <= j < len(pipelines[p].stages)):
@@ -218,7 +223,7 @@ def simulate_timings(pipelines: list[PipelineTiming], blocks: list[AllReduceBloc
     last_bwd = _run_pipelines(pipelines, events)
 
     # gradient All-Reduce: list scheduling of blocks on the holders' comm streams
-    comm_free = {key: t for key, t in last_bwd.items()}
+    comm_free = dict(last_bwd)                  # (pipeline, stage) -> comm stream free from
     ar_ms = {key: 0.0 for key in last_bwd}
     ready = sorted(range(len(blocks)), key=lambda k: (max(last_bwd[h] for h in blocks[k].holders), k))
     for k in ready:
@@ -255,7 +260,7 @@ def simulate_timings(pipelines: list[PipelineTiming], blocks: list[AllReduceBloc
     return SimResult(iteration, stats, events)
 
 
-def _run_pipelines(pipelines: list[PipelineTiming], events: list[Event]) -> dict[tuple[int, int], float]:
+def _run_pipelines(pipelines: Sequence[PipelineTiming], events: list[Event]) -> dict[tuple[int, int], float]:
     """Play the 1F1B phase of every pipeline; append events; return last-backward ends.
 
     A priority queue holds future happenings ``(time, seq, what, pipeline, stage, op, mb)``:
