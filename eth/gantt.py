@@ -10,8 +10,9 @@ compute.  Forward/backward bars wide enough to hold text carry their micro-batch
 from __future__ import annotations
 
 from pathlib import Path
+from types import MappingProxyType
 
-COLORS = {
+COLORS = MappingProxyType({
     "forward": "#4C72B0",
     "recompute": "#8172B2",
     "backward": "#55A868",
@@ -19,12 +20,12 @@ COLORS = {
     "allreduce": "#C44E52",
     "optimizer": "#937860",
     "idle": "#E6E6E6",
-}
-LEGEND = {
+})
+LEGEND = MappingProxyType({
     "forward": "forward", "recompute": "recompute", "backward": "backward",
     "comm": "p2p transfer (link, >= 1 px)", "allreduce": "gradient All-Reduce",
     "optimizer": "optimizer step", "idle": "idle",
-}
+})
 BAND = 0.68      # height of the main band of a row
 LANE = 0.14      # height of the p2p lane under it
 WIDTH_IN = 14    # figure width, inches

@@ -10,15 +10,17 @@ per micro-batch and memory per device when the plan carries them.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from eth.model import LAYER_OPS
 
 # Short names of the 13 layer ops; AS, AD, Qkv and Sco as in the paper's Table 3.
-OP_ABBREV = {
+OP_ABBREV = MappingProxyType({
     "1st-layernorm": "LN1", "qkv": "Qkv", "score": "Sco", "softmax": "AS",
     "attn-dropout": "AD", "context": "Ctx", "attn-dense": "Proj",
     "post-attn-dropout": "PAD", "2nd-layernorm": "LN2", "mlp-gemm-1": "FC1",
     "gelu": "Act", "mlp-gemm-2": "FC2", "post-mlp-dropout": "PMD",
-}
+})
 
 
 def format_ranks(ranks) -> str:
