@@ -136,6 +136,7 @@ class Trainer:
         self.comm = StageComm(topo, (spec.seq_len, spec.hidden), torch.float32, backend.device)
         self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
         self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
+        dist.barrier()  # start the first step together, so its logged time means something
 
     def _batch(self, iteration: int, mb: int):
         from megatron.hpp.data import batch, sample_range
