@@ -108,3 +108,60 @@ def test_bad_input_fails_on_every_rank(tmp_path):
             assert r.returncode == 2, (r.rank, r.returncode, r.stderr)
             lines = r.stderr.strip().splitlines()
             assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A one-rank gloo group in this process (for stage-level checks)."""
+    import os
+
+    import torch.distributed as dist
+    from _rt_spawn import free_port
+
+    from megatron.hpp.compat import quiet_megatron_warnings
+
+    quiet_megatron_warnings()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.new_group([0])
+    dist.destroy_process_group()
+
+
+def _stage_grads(group, spec, recompute, calls):
+    import torch
+
+    from megatron.hpp.compat import Backend, setup_rng
+    from megatron.hpp.model import GPTStage
+
+    tracker = setup_rng(Backend("gloo", torch.device("cpu")), 5, 11, 0)
+    stage = GPTStage(spec, (0, 2), True, True, group, tracker, recompute, seed=3)
+    original = stage.layers[0].op_softmax
+
+    def counted(scores):
+        calls.append(1)
+        return original(scores)
+
+    stage.layers[0].op_softmax = counted
+    tokens = batch(SyntheticData(spec.vocab, spec.seq_len, 1), 0, 0, 4)
+    loss = stage(tokens[:, :-1], tokens[:, 1:], 0.25)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+def test_recompute_replays_ops_with_same_dropout_masks(world_of_one):
+    from dataclasses import replace
+
+    from eth.model import get_model
+
+    spec = replace(get_model("tiny"), dropout=0.2)
+    plain_calls, recompute_calls = [], []
+    loss_a, grads_a = _stage_grads(world_of_one, spec, {}, plain_calls)
+    recompute = {"softmax": 1, "attn-dropout": 2, "post-attn-dropout": 1, "gelu": 2,
+                 "post-mlp-dropout": 2, "context": 1}
+    loss_b, grads_b = _stage_grads(world_of_one, spec, recompute, recompute_calls)
+    assert len(plain_calls) == 1 and len(recompute_calls) == 2  # softmax of layer 0 re-ran
+    assert loss_a == loss_b
+    for name, grad in grads_a.items():
+        assert grad.equal(grads_b[name]), name
+    _, grads_c = _stage_grads(world_of_one, replace(spec, dropout=0.0), {}, [])
+    assert not grads_c["layers.0.qkv.weight"].equal(grads_a["layers.0.qkv.weight"])  # dropout acts
