@@ -5,11 +5,11 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
 
     Tf_j = sum over ops of fwd(op, mbs/dp, tp)           profiled op times
          + TP all-reduces (forward)                        collective_ms, tp group link
-         + p2p send of the output activation (not last stage)
+         + p2p send of the output activation to the next stage (not last stage)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
          + TP all-reduces (backward, and re-done forward ones of recomputed ops)
-         + p2p send of the input gradient (not first stage)
+         + p2p send of the input gradient to the previous stage (not first stage)
     T_j  = Tf_j + Tb_j
 
 Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
@@ -71,6 +71,10 @@ class StageCost:
     inflight: int
     memory_bytes: float
     capacity_bytes: float
+    send_fwd_ms: float = 0.0
+    """Part of fwd_ms spent sending the activation to the next stage."""
+    send_bwd_ms: float = 0.0
+    """Part of bwd_ms spent sending the input gradient to the previous stage."""
 
     @property
     def total_ms(self) -> float:
@@ -139,7 +143,7 @@ class CostModel:
     def stage_cost(self, device_type: str, tp: int, dp: int, layers: tuple[int, int], mbs: int,
                    recompute: dict[str, int] | None = None, stage_index: int = 0,
                    num_stages: int = 1, num_microbatches: int | None = None,
-                   ranks=None, next_ranks=None) -> StageCost:
+                   ranks=None, next_ranks=None, prev_ranks=None) -> StageCost:
         """Cost of one stage; see the module docstring for the formulas."""
         if mbs % dp:
             raise SpecError(f"mbs {mbs} is not divisible by dp {dp}")
@@ -148,7 +152,8 @@ class CostModel:
         first, last = start == 0, end == self.model.num_layers
         key = (device_type, tp, dp, end - start, first, last, mbs, tuple(sorted(recompute.items())),
                stage_index, num_stages, num_microbatches,
-               self._link(device_type, ranks, tp), self._p2p_link(device_type, ranks, next_ranks))
+               self._link(device_type, ranks, tp), self._p2p_link(device_type, ranks, next_ranks),
+               self._p2p_link(device_type, ranks, prev_ranks))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -188,15 +193,14 @@ class CostModel:
                 comm += redo * per
         bwd += recompute_ms
         boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES
-        p2p_link = self._p2p_link(device_type, ranks, next_ranks)
+        send_f = send_b = 0.0
         if not last:
-            t = collective_ms("p2p", 2, boundary, p2p_link)
-            fwd += t
-            comm += t
+            send_f = collective_ms("p2p", 2, boundary, self._p2p_link(device_type, ranks, next_ranks))
         if not first:
-            t = collective_ms("p2p", 2, boundary, self._link(device_type, ranks, 1))
-            bwd += t
-            comm += t
+            send_b = collective_ms("p2p", 2, boundary, self._p2p_link(device_type, ranks, prev_ranks))
+        fwd += send_f
+        bwd += send_b
+        comm += send_f + send_b
 
         params = weights / ACT_BYTES
         inflight = num_stages - stage_index
@@ -204,7 +208,8 @@ class CostModel:
             inflight = max(1, min(inflight, num_microbatches))
         memory = params * self.bytes_per_param + inflight * max(act, 0.0) + reserved
         capacity = self.cluster.types[device_type].memory_bytes
-        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity)
+        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
+                         send_f, send_b)
         self._cache[key] = cost
         return cost
 
@@ -229,10 +234,10 @@ class CostModel:
             return self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
         return self.cluster.link_gbps(list(ranks)[:tp])
 
-    def _p2p_link(self, device_type, ranks, next_ranks):
-        if ranks is None or not next_ranks:
+    def _p2p_link(self, device_type, ranks, peer_ranks):
+        if ranks is None or not peer_ranks:
             return self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
-        return self.cluster.link_gbps([list(ranks)[0], list(next_ranks)[0]])
+        return self.cluster.link_gbps([list(ranks)[0], list(peer_ranks)[0]])
 
     def pipeline_costs(self, pipeline, num_microbatches: int | None = None) -> list[StageCost]:
         """StageCost of every stage of a pipeline (a PipelinePlan or alike)."""
@@ -240,7 +245,8 @@ class CostModel:
         n_mb = num_microbatches if num_microbatches is not None else max(pipeline.lbs // pipeline.mbs, 1)
         return [self.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute,
                                 j, len(stages), n_mb, s.ranks,
-                                stages[j + 1].ranks if j + 1 < len(stages) else None)
+                                stages[j + 1].ranks if j + 1 < len(stages) else None,
+                                stages[j - 1].ranks if j > 0 else None)
                 for j, s in enumerate(stages)]
 
     # ------------------------------------------------------------------ all-reduce

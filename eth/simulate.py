@@ -47,8 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eth.cost import CostModel, StageCost, eq6_allreduce_ms
-from eth.model import ACT_BYTES
-from eth.profiles import ProfileDB, collective_ms
+from eth.profiles import ProfileDB
 
 KINDS = ("forward", "backward", "recompute", "comm", "allreduce", "optimizer")
 COMPUTE_KINDS = ("forward", "recompute", "backward")
@@ -353,43 +352,18 @@ def plan_timings(plan, cost_model: CostModel, options: SimOptions = SimOptions()
     for p in plan.pipelines:
         costs = cost_model.pipeline_costs(p)
         stages = []
-        for j, (st, c) in enumerate(zip(p.stages, costs)):
-            nxt = p.stages[j + 1] if j + 1 < len(p.stages) else None
-            prev = p.stages[j - 1] if j > 0 else None
-            charged_f, charged_b = _cost_model_p2p(cost_model, p.mbs, st, nxt, prev)
-            send_b = _p2p_ms(cost_model, p.mbs, st, prev) if prev is not None else 0.0
+        for st, c in zip(p.stages, costs):
             opt = 0.0
             if options.optimizer:
                 bw = cost_model.cluster.types[st.device_type].mem_bw_gbs * 1e9 / 1e3  # bytes per ms
                 opt = c.params * cost_model.bytes_per_param * options.optimizer_passes / bw
-            stages.append(StageTiming(fwd_ms=c.fwd_ms - charged_f, bwd_ms=c.bwd_ms - charged_b,
-                                      recompute_ms=c.recompute_ms, send_fwd_ms=charged_f,
-                                      send_bwd_ms=send_b, optimizer_ms=opt))
+            # the cost model folds the boundary sends into fwd/bwd; the simulator runs
+            # them as separate transfer events
+            stages.append(StageTiming(fwd_ms=c.fwd_ms - c.send_fwd_ms, bwd_ms=c.bwd_ms - c.send_bwd_ms,
+                                      recompute_ms=c.recompute_ms, send_fwd_ms=c.send_fwd_ms,
+                                      send_bwd_ms=c.send_bwd_ms, optimizer_ms=opt))
         pipelines.append(PipelineTiming(p.num_microbatches, tuple(stages)))
     return pipelines, allreduce_blocks(plan, cost_model)
-
-
-def _p2p_ms(cm: CostModel, mbs: int, stage, peer) -> float:
-    """One boundary transfer from ``stage`` to ``peer`` over the link between them."""
-    boundary = (mbs // stage.dp) * cm.model.seq_len * cm.model.hidden * ACT_BYTES
-    return collective_ms("p2p", 2, boundary, cm.cluster.link_gbps([stage.ranks[0], peer.ranks[0]]))
-
-
-def _cost_model_p2p(cm: CostModel, mbs: int, stage, nxt, prev) -> tuple[float, float]:
-    """The p2p sends CostModel.stage_cost folded into (fwd_ms, bwd_ms).
-
-    Mirrors eth/cost.py: the activation send is charged on the link to the next stage;
-    the gradient send on the stage's intra-node link (the simulator instead charges the
-    gradient transfer on the real link to the previous stage, see _p2p_ms).
-    tests/test_simulate.py checks that compute + these sends rebuild the stage cost.
-    """
-    fwd = _p2p_ms(cm, mbs, stage, nxt) if nxt is not None else 0.0
-    bwd = 0.0
-    if prev is not None:
-        boundary = (mbs // stage.dp) * cm.model.seq_len * cm.model.hidden * ACT_BYTES
-        gbps = cm.cluster.intra_node_gbps or cm.cluster.types[stage.device_type].link_gbps
-        bwd = collective_ms("p2p", 2, boundary, gbps)
-    return fwd, bwd
 
 
 def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:

@@ -103,3 +103,18 @@ def test_evaluate_uses_eq5_with_allreduce(tiny, cpu_cluster, flat_db):
     assert ev["pipelines"][0]["end_ms"] == pytest.approx(eq5_end_times(c0, 6, 2, ar[0]))
     assert ev["iteration_ms"] == max(pp["pipeline_ms"] for pp in ev["pipelines"])
     assert ev["feasible"]
+
+
+def test_boundary_sends_use_the_link_to_each_neighbour(tiny, flat_db):
+    from eth.cluster import Cluster
+    two_nodes = Cluster.from_dict({"inter_node_gbps": 1, "intra_node_gbps": 100,
+                                   "nodes": [{"type": "cpu", "devices_per_node": 2, "count": 2}]})
+    cm = CostModel(tiny, two_nodes, flat_db)
+    st = lambda ranks, layers: NS(ranks=ranks, tp=1, dp=1, layers=layers, device_type="cpu", recompute={})
+    pipe = NS(mbs=1, lbs=4, stages=[st([0], (0, 1)), st([1], (1, 2)), st([2], (2, 4))])
+    c = cm.pipeline_costs(pipe)
+    send = lambda gbps: 64 / (gbps * 1e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS
+    assert (c[0].send_fwd_ms, c[0].send_bwd_ms) == (pytest.approx(send(100)), 0.0)
+    assert c[1].send_fwd_ms == pytest.approx(send(1)) and c[1].send_bwd_ms == pytest.approx(send(100))
+    assert (c[2].send_fwd_ms, c[2].send_bwd_ms) == (0.0, pytest.approx(send(1)))
+    assert c[2].bwd_ms == pytest.approx(1 * 13 * 2 * 2 + 2 + 2 + send(1))
