@@ -21,13 +21,12 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eth.model import LAYER_OPS, ModelSpec
+from eth.model import ModelSpec
 from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
 
 INIT_STD = 0.02
@@ -133,7 +132,6 @@ class Layer(torch.nn.Module):
            ("2nd-layernorm", "op_ln2", ("x2",), "m"), ("mlp-gemm-1", "op_fc1", ("m",), "f1"),
            ("gelu", "op_gelu", ("f1",), "g"), ("mlp-gemm-2", "op_fc2", ("g",), "f2"),
            ("post-mlp-dropout", "op_post_mlp_dropout", ("x2", "f2"), "out"))
-    assert tuple(o[0] for o in OPS) == LAYER_OPS
 
     def __init__(self, spec: ModelSpec, index: int, tp_group, tracker, recompute: frozenset):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -206,16 +204,19 @@ class Layer(torch.nn.Module):
     def op_post_mlp_dropout(self, x2, f2):
         return x2 + F.dropout(f2, self.dropout, training=self.training)
 
+    def _rng_contexts(self):
+        """checkpoint's context_fn: (forward, recompute) contexts sharing tracker states."""
+        saved = {}
+        return lambda: (_rng_replay(self.tracker, saved, False), _rng_replay(self.tracker, saved, True))
+
     def forward(self, x):
         env = {"x": x}
         for name, method, inputs, output in self.OPS:
             fn = getattr(self, method)
             args = [env[i] for i in inputs]
             if name in self.recompute and torch.is_grad_enabled():
-                saved = {}
-                ctx = partial(lambda s: (_rng_replay(self.tracker, s, False),
-                                         _rng_replay(self.tracker, s, True)), saved)
-                env[output] = checkpoint(fn, *args, use_reentrant=False, context_fn=ctx)
+                env[output] = checkpoint(fn, *args, use_reentrant=False,
+                                         context_fn=self._rng_contexts())
             else:
                 env[output] = fn(*args)
         return env["out"]

@@ -88,6 +88,13 @@ def test_data_is_deterministic_per_sample():
     assert int(whole.max()) < 256
 
 
+def test_layer_runs_the_13_ops_in_order():
+    from eth.model import LAYER_OPS
+    from megatron.hpp.model import Layer
+
+    assert tuple(op[0] for op in Layer.OPS) == LAYER_OPS
+
+
 def test_weights_do_not_depend_on_tp():
     import torch
 
@@ -171,3 +178,29 @@ def test_recompute_replays_ops_with_same_dropout_masks(world_of_one):
         assert grad.equal(grads_b[name]), name
     _, grads_c = _stage_grads(world_of_one, replace(spec, dropout=0.0), {}, [])
     assert not grads_c["layers.0.qkv.weight"].equal(grads_a["layers.0.qkv.weight"])  # dropout acts
+
+
+def test_byte_text_data(tmp_path):
+    from eth.errors import SpecError
+    from megatron.hpp.data import ByteTextData
+
+    text = bytes(range(256)) * 3
+    (tmp_path / "t.txt").write_bytes(text)
+    data = ByteTextData(tmp_path / "t.txt", 256, 32, 1)
+    rows = batch(data, 0, 0, 4)
+    assert rows.shape == (4, 33)
+    for row in rows.tolist():  # a window of the file: consecutive byte values mod 256
+        assert all((b - a) % 256 == 1 for a, b in zip(row, row[1:]))
+    with pytest.raises(SpecError, match="model vocab 128 < 256"):
+        ByteTextData(tmp_path / "t.txt", 128, 32, 1)
+    with pytest.raises(SpecError, match="has 768 bytes, a sample needs 1025"):
+        ByteTextData(tmp_path / "t.txt", 256, 1024, 1)
+
+
+def test_lr_schedule():
+    from megatron.hpp.training import TrainConfig
+
+    cfg = TrainConfig(plan="p.json", train_iters=10, lr=1.0, min_lr=0.1, warmup=2)
+    assert [cfg.lr_at(i) for i in (0, 1)] == [0.5, 1.0]
+    assert cfg.lr_at(2) == pytest.approx(1.0) and cfg.lr_at(10) == pytest.approx(0.1)
+    assert TrainConfig(plan="p.json", train_iters=5, lr=0.3).lr_at(4) == 0.3
