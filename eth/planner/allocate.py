@@ -17,16 +17,22 @@ smallest maximum end time over all pipelines -- since an increment only raises t
 pipeline's end, this is the one with the smallest new end -- gets Mbs_i more samples,
 until sum Lbs_i >= Gbs.
 
-Exact sums: the runtime needs sum Lbs_i == Gbs.  The allocator therefore only
-considers increments after which the remaining samples can still be written as a
-non-negative combination of the pipelines' Mbs (a coin-change table over 0..Gbs), so
-the greedy ends exactly on Gbs whenever any combination allows it.  If none does, it
-returns None, or with ``allow_overshoot`` falls back to the paper's rule (stop at the
-first sum >= Gbs).
+Exact sums: the runtime needs sum Lbs_i == Gbs.  When the greedy overshoots, the
+allocation is replaced by the exact split with the smallest Eq. 2 value
+(:func:`exact_allocation`): for a threshold T each pipeline may take at most
+n_i(T) = max{c : A_i + B_i c <= T} micro-batches; T is feasible if Gbs = sum c_i Mbs_i
+for some 1 <= c_i <= n_i(T) (bounded coin change, numpy); the smallest feasible T among
+the candidate end times is found by bisection and the c_i are read back.  If no exact
+split exists :func:`allocate` returns None, or with ``allow_overshoot`` the paper's
+greedy result (sum >= Gbs).
 """
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -49,46 +55,88 @@ def pipeline_line(costs, mbs: int, ar_ms) -> tuple[float, float]:
     return head + worst, b
 
 
-def reachable_table(values, total: int) -> list[bool]:
-    """reach[r]: r is a non-negative integer combination of ``values``."""
-    reach = [False] * (total + 1)
-    reach[0] = True
-    for v in sorted(set(values)):
-        for r in range(v, total + 1):
-            if reach[r - v]:
-                reach[r] = True
+def _greedy(lines, mbs, gbs: int) -> list[int]:
+    """The paper's greedy (after one micro-batch each): until sum >= gbs, give Mbs_i more
+    samples to the pipeline with the smallest new end time."""
+    lbs = list(mbs)
+    heap = [(lines[i][0] + lines[i][1] * 2, i) for i in range(len(lines))]
+    heapq.heapify(heap)
+    total = sum(lbs)
+    while total < gbs:
+        _, i = heapq.heappop(heap)
+        lbs[i] += mbs[i]
+        total += mbs[i]
+        a, b = lines[i]
+        heapq.heappush(heap, (a + b * (lbs[i] // mbs[i] + 1), i))
+    return lbs
+
+
+def _bounded_reach(mbs, limits, gbs: int):
+    """Layers reach[i][r]: r samples from pipelines < i with 1 <= c_k <= limits[k]."""
+    reach = [np.zeros(gbs + 1, dtype=bool)]
+    reach[0][0] = True
+    for m, n in zip(mbs, limits):
+        prev, new = reach[-1], np.zeros(gbs + 1, dtype=bool)
+        for c in range(1, n + 1):
+            k = c * m
+            if k > gbs:
+                break
+            new[k:] |= prev[:gbs + 1 - k]
+        reach.append(new)
     return reach
 
 
-def allocate(lines, mbs, gbs: int, allow_overshoot: bool = False) -> Allocation | None:
-    """Greedy Eq. 2-4 for pipelines with end-time lines ``(A_i, B_i)`` and ``mbs[i]``."""
+def exact_allocation(lines, mbs, gbs: int) -> tuple[int, ...] | None:
+    """Lbs with sum == gbs minimising max_i (A_i + B_i Lbs_i / Mbs_i); None if impossible."""
     P = len(lines)
-    lbs = list(mbs)
-    rest = gbs - sum(lbs)
-    if rest < 0:
-        if not allow_overshoot:
-            return None
-        rest = 0
+    caps = [gbs // m for m in mbs]
+    if any(c < 1 for c in caps):
+        return None
+    ends = sorted({lines[i][0] + lines[i][1] * c for i in range(P) for c in range(1, caps[i] + 1)})
 
-    def end(i, n):
-        a, b = lines[i]
-        return a + b * n / mbs[i]
+    def limits(t):
+        out = []
+        for (a, b), cap in zip(lines, caps):
+            n = cap if b <= 0 else min(cap, int(math.floor((t - a) / b + 1e-9)))
+            out.append(n)
+        return out
 
-    exact = True
-    reach = reachable_table(mbs, max(rest, 0))
-    if rest > 0 and not reach[rest]:
-        if not allow_overshoot:
-            return None
-        exact = False
-    while rest > 0:
-        best, best_end = -1, 0.0
-        for i in range(P):
-            if exact and (mbs[i] > rest or not reach[rest - mbs[i]]):
-                continue
-            e = end(i, lbs[i] + mbs[i])
-            if best < 0 or e < best_end:
-                best, best_end = i, e
-        lbs[best] += mbs[best]
-        rest -= mbs[best]
-    final = max(end(i, lbs[i]) for i in range(P))
-    return Allocation(tuple(lbs), final, sum(lbs) == gbs)
+    def feasible(t):
+        lim = limits(t)
+        return all(n >= 1 for n in lim) and _bounded_reach(mbs, lim, gbs)[-1][gbs]
+
+    if not feasible(ends[-1]):
+        return None
+    lo, hi = 0, len(ends) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(ends[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    lim = limits(ends[lo])
+    reach = _bounded_reach(mbs, lim, gbs)
+    lbs, r = [0] * P, gbs
+    for i in range(P - 1, -1, -1):
+        for c in range(1, lim[i] + 1):
+            k = c * mbs[i]
+            if k <= r and reach[i][r - k]:
+                lbs[i], r = k, r - k
+                break
+    return tuple(lbs)
+
+
+def allocate(lines, mbs, gbs: int, allow_overshoot: bool = False) -> Allocation | None:
+    """Eq. 2-4 for pipelines with end-time lines ``(A_i, B_i)`` and micro-batch sizes ``mbs``."""
+    def end(lbs):
+        return max(a + b * n / m for (a, b), n, m in zip(lines, lbs, mbs))
+
+    lbs = _greedy(lines, mbs, gbs)
+    if sum(lbs) == gbs:
+        return Allocation(tuple(lbs), end(lbs), True)
+    exact = exact_allocation(lines, mbs, gbs)
+    if exact is not None:
+        return Allocation(exact, end(exact), True)
+    if allow_overshoot:
+        return Allocation(tuple(lbs), end(lbs), False)
+    return None

@@ -9,7 +9,9 @@ Objective (Eq. 1, batch B = Gbs in phase 1, Lbs in phase 3), see
 
 :func:`initial_state` starts from a compute-proportional layer split (layers inversely
 proportional to the measured per-layer time of each stage), the smallest tp whose
-weight shard fits comfortably, and mbs = max dp (trying 1x, 2x and 4x of it).
+weight shard fits comfortably, and mbs = lcm of the dp degrees (trying 1x, 2x and 4x
+of it).  Mbs always divides the batch B (a pipeline trains on whole micro-batches); a
+stage group whose dp degrees admit no such mbs is skipped for that batch.
 
 :func:`balance` then repeats: take the bottleneck stage (a memory-infeasible stage
 first, else the largest T_j; if nothing helps it, the runner-up) and evaluate the
@@ -18,7 +20,7 @@ primitives
   * move 1 (or a quarter of the) layers to the previous / next stage,
   * tp <-> dp exchange (tp x2 / dp /2 and tp /2 / dp x2; tp * dp stays the stage's
     devices), also combined with mbs x2 when the new dp needs it,
-  * mbs x2 / mbs /2 (mbs stays divisible by every stage's dp),
+  * mbs x2 / mbs /2 (mbs stays divisible by every stage's dp and divides B),
   * re-split all layers in proportion to the current per-layer speed,
 
 with recompute re-derived for every candidate (least op-level recompute that fits).
@@ -82,8 +84,8 @@ def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, 
     best = None
     for mult in (1, 2, 4):
         mbs = base * mult
-        if mbs > max(batch, base):
-            break
+        if batch % mbs:
+            continue
         state = resplit(ev, PipeState(tuple(chosen), mbs))
         e = ev.evaluate(state, batch, ranks)
         if best is None or e.key < best[1].key:
@@ -116,10 +118,10 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int) -> list[Pipe
                 out.append(PipeState(tuple(new), state.mbs))
             else:
                 mbs = _lcm([state.mbs, dp])
-                if mbs <= batch:
+                if batch % mbs == 0:
                     out.append(PipeState(tuple(new), mbs))
     # micro-batch size
-    if state.mbs * 2 <= batch:
+    if batch % (state.mbs * 2) == 0:
         out.append(PipeState(state.stages, state.mbs * 2))
     half = state.mbs // 2
     if half >= 1 and state.mbs % 2 == 0 and all(half % s.dp == 0 for s in stages):

@@ -113,18 +113,19 @@ class Evaluator:
         return self._order[key]
 
     def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
-                  nmb: int, ranks, next_ranks):
+                  nmb: int, ranks, next_ranks, prev_ranks=None):
         """(StageCost, recompute pairs, overflow bytes) with the least recompute that fits."""
         key = (st, layers[0] == 0, layers[1] == self.model.num_layers, mbs, j, num_stages, nmb,
                tuple(ranks[:1] + ranks[st.tp - 1:st.tp]) if ranks else None,
-               tuple(next_ranks[:1]) if next_ranks else None)
+               tuple(next_ranks[:1]) if next_ranks else None,
+               tuple(prev_ranks[:1]) if prev_ranks else None)
         hit = self._fit.get(key)
         if hit is not None:
             return hit
 
         def cost(rec):
             return self.cost.stage_cost(st.device_type, st.tp, st.dp, layers, mbs, rec, j, num_stages,
-                                        nmb, ranks, next_ranks)
+                                        nmb, ranks, next_ranks, prev_ranks)
 
         c = cost(None)
         result = (c, (), 0.0)
@@ -172,7 +173,8 @@ class Evaluator:
         costs, recs, overflow = [], [], 0.0
         for j, (st, rng) in enumerate(zip(state.stages, state.layer_ranges())):
             c, rec, over = self.fit_stage(st, rng, state.mbs, j, S, nmb, ranks[j],
-                                          ranks[j + 1] if j + 1 < S else None)
+                                          ranks[j + 1] if j + 1 < S else None,
+                                          ranks[j - 1] if j > 0 else None)
             costs.append(c)
             recs.append(rec)
             overflow += over

@@ -1,0 +1,32 @@
+"""Shared small inputs for the planner tests (analytic profiles, in memory)."""
+import pytest
+
+from eth.cluster import Cluster
+from eth.model import ModelSpec
+from eth.profiles import ProfileDB
+
+
+def make_cluster(nodes, **extra) -> Cluster:
+    return Cluster.from_dict({"name": "test", "inter_node_gbps": 100, "nodes": nodes, **extra})
+
+
+def profiles_for(model, cluster) -> ProfileDB:
+    db = ProfileDB()
+    db.ensure(model, cluster.types.values())
+    return db
+
+
+M4 = ModelSpec("m4", num_layers=4, hidden=1024, heads=8, seq_len=512, vocab=8192)
+M6 = ModelSpec("m6", num_layers=6, hidden=2048, heads=16, seq_len=1024, vocab=8192)
+
+A2R2 = [{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 2}]
+
+
+@pytest.fixture
+def m4():
+    return M4
+
+
+@pytest.fixture
+def a2r2():
+    return make_cluster(A2R2)

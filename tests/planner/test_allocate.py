@@ -1,0 +1,102 @@
+import math
+import random
+from dataclasses import fields
+
+import pytest
+
+from eth.cost import StageCost, eq5_end_times
+from eth.planner.allocate import allocate, exact_allocation, pipeline_line
+from eth.planner.bruteforce import lbs_vectors
+
+
+def stage_cost(fwd, bwd):
+    zero = {f.name: 0 for f in fields(StageCost)}
+    return StageCost(**(zero | {"fwd_ms": fwd, "bwd_ms": bwd, "inflight": 1, "capacity_bytes": 1}))
+
+
+def brute(lines, mbs, gbs):
+    best = None
+    for lbs in lbs_vectors(mbs, gbs):
+        end = max(a + b * n / m for (a, b), n, m in zip(lines, lbs, mbs))
+        if best is None or end < best:
+            best = end
+    return best
+
+
+def random_lines(rng, p):
+    return [(rng.uniform(0, 50), rng.uniform(1, 20)) for _ in range(p)]
+
+
+def test_pipeline_line_equals_eq5():
+    rng = random.Random(0)
+    for _ in range(20):
+        costs = [stage_cost(rng.uniform(1, 9), rng.uniform(1, 9)) for _ in range(rng.randint(1, 5))]
+        ar = [rng.uniform(0, 5) for _ in costs]
+        mbs, lbs = rng.choice([1, 2, 4]), 0
+        a, b = pipeline_line(costs, mbs, ar)
+        for k in (1, 3, 8):
+            lbs = k * mbs
+            assert math.isclose(a + b * lbs / mbs, max(eq5_end_times(costs, lbs, mbs, ar)))
+
+
+def test_greedy_is_optimal_with_unit_micro_batches():
+    rng = random.Random(1)
+    for _ in range(50):
+        p = rng.randint(1, 4)
+        lines, mbs, gbs = random_lines(rng, p), [1] * p, rng.randint(p, 12)
+        got = allocate(lines, mbs, gbs)
+        assert sum(got.lbs) == gbs and got.exact
+        assert math.isclose(got.end_ms, brute(lines, mbs, gbs))
+
+
+def test_greedy_vs_brute_force_with_mixed_micro_batches():
+    rng = random.Random(2)
+    checked = 0
+    for _ in range(200):
+        p = rng.randint(1, 3)
+        lines = random_lines(rng, p)
+        mbs = [rng.choice([1, 2, 4]) for _ in range(p)]
+        gbs = rng.randint(4, 16)
+        got = allocate(lines, mbs, gbs)
+        best = brute(lines, mbs, gbs)
+        if best is None:
+            assert got is None  # no exact split exists
+            continue
+        checked += 1
+        assert got is not None and sum(got.lbs) == gbs
+        assert all(n % m == 0 and n >= m for n, m in zip(got.lbs, mbs))
+        # greedy is within one micro-batch of the slowest pipeline of the optimum
+        assert got.end_ms <= best + max(b for _, b in lines) + 1e-9
+    assert checked > 100
+
+
+def test_unreachable_gbs_and_overshoot():
+    lines = [(1.0, 2.0), (1.0, 3.0)]
+    assert allocate(lines, [2, 4], 7) is None          # odd gbs from even mbs
+    assert allocate(lines, [4, 4], 6) is None          # below one micro-batch each
+    got = allocate(lines, [2, 4], 7, allow_overshoot=True)
+    assert sum(got.lbs) >= 7 and not got.exact
+
+
+@pytest.mark.parametrize("gbs", [8, 9, 10])
+def test_exact_sum_is_found_when_some_combination_allows_it(gbs):
+    lines = [(0.0, 1.0), (0.0, 1.0)]
+    got = allocate(lines, [3, 2], gbs)
+    assert got is not None and sum(got.lbs) == gbs
+
+
+def test_exact_allocation_is_optimal():
+    rng = random.Random(4)
+    for _ in range(150):
+        p = rng.randint(1, 3)
+        lines = random_lines(rng, p)
+        mbs = [rng.choice([1, 2, 3, 4]) for _ in range(p)]
+        gbs = rng.randint(3, 18)
+        best = brute(lines, mbs, gbs)
+        got = exact_allocation(lines, mbs, gbs)
+        if best is None:
+            assert got is None
+        else:
+            assert sum(got) == gbs and all(n % m == 0 and n >= m for n, m in zip(got, mbs))
+            end = max(a + b * n / m for (a, b), n, m in zip(lines, got, mbs))
+            assert math.isclose(end, best)

@@ -1,0 +1,59 @@
+from eth.cost import CostModel
+from eth.planner.balance import balance, initial_state, split_layers
+from eth.planner.enumerate import assign_ranks, make_blocks
+from eth.planner.evaluate import Evaluator, PipeState, StageState
+
+from conftest import M6, make_cluster, profiles_for
+
+
+def test_split_layers():
+    assert split_layers(10, [1, 1]) == [5, 5]
+    assert split_layers(10, [3, 1]) == [7, 3]
+    assert split_layers(3, [100, 1, 1]) == [1, 1, 1]
+    assert sum(split_layers(40, [1.3, 2.7, 0.4])) == 40
+
+
+def _setup(mem_a=3, mem_r=2):
+    c = make_cluster([{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 2}],
+                     device_types={"A100": {"memory_gb": mem_a}, "RTX3090": {"memory_gb": mem_r}})
+    ev = Evaluator(CostModel(M6, c, profiles_for(M6, c)))
+    return c, ev
+
+
+def test_recompute_is_minimal_and_fits():
+    c, ev = _setup(mem_r=4)
+    st = StageState("RTX3090", 2, 2, 3)
+    cost, rec, over = ev.fit_stage(st, (0, 3), 4, 0, 2, 8, None, None)
+    assert over == 0 and cost.fits and rec
+    rec = dict(rec)
+    assert list(rec) != []
+    order = ev.recompute_order("RTX3090", 4, 2)
+    assert set(rec) == set(order[:len(rec)])  # best saved-bytes-per-ms ops first
+    last = ev.recompute_order("RTX3090", 4, 2)[len(rec) - 1]
+    assert rec[last] >= 1
+    fewer = dict(rec, **{last: rec[last] - 1})
+    assert not ev.cost.stage_cost("RTX3090", 2, 1, (0, 3), 4, fewer, 0, 2, 8).fits
+
+
+def test_balancer_never_worse_than_its_start_and_respects_constraints():
+    c, ev = _setup(mem_a=8, mem_r=6)
+    blocks = make_blocks(c, 8)
+    stages = (("A100", 2), ("RTX3090", 1), ("RTX3090", 1))
+    ranks = assign_ranks(blocks, [list(stages)])[0]
+    state, e0 = initial_state(ev, stages, 32, ranks)
+    best, e1, spent = balance(ev, state, 32, ranks, budget=200, current=e0)
+    assert e1.key <= e0.key and spent <= 200 + 10
+    assert sum(s.layers for s in best.stages) == M6.num_layers
+    assert all(best.mbs % s.dp == 0 and s.tp * s.dp == s.ndev for s in best.stages)
+    # a deliberately bad start (all layers but two on the slow devices) is improved
+    bad = PipeState((StageState("A100", 2, 1, 1), StageState("RTX3090", 1, 1, 4),
+                     StageState("RTX3090", 1, 1, 1)), 2)
+    eb = ev.evaluate(bad, 32, ranks)
+    _, eb2, _ = balance(ev, bad, 32, ranks, budget=200)
+    assert eb2.ms < eb.ms
+
+
+def test_stage_that_cannot_fit_reports_overflow():
+    c, ev = _setup(mem_r=2)
+    cost, rec, over = ev.fit_stage(StageState("RTX3090", 2, 2, 3), (0, 3), 4, 0, 2, 8, None, None)
+    assert over > 0 and not cost.fits and len(rec) == 13

@@ -1,0 +1,72 @@
+import itertools
+
+from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
+                                   stage_groups)
+
+from conftest import make_cluster
+
+
+def naive_groups(total, parts):
+    """Vector partitions by brute force: assign each unit of each type to a pipeline label."""
+    units = [t for t, c in enumerate(total) for _ in range(c)]
+    seen = set()
+    for labels in itertools.product(range(parts), repeat=len(units)):
+        vecs = [[0] * len(total) for _ in range(parts)]
+        for t, lab in zip(units, labels):
+            vecs[lab][t] += 1
+        if any(not any(v) for v in vecs):
+            continue
+        seen.add(tuple(sorted((tuple(v) for v in vecs), reverse=True)))
+    return seen
+
+
+def test_device_groups_match_naive_enumeration():
+    for total in [(2, 2), (3, 1), (4,), (2, 1, 1)]:
+        for parts in range(1, sum(total) + 1):
+            got = list(device_groups(total, parts))
+            assert len(got) == len(set(got)), "a group was generated twice"
+            assert set(got) == naive_groups(total, parts)
+            assert count_groups(total, parts) == len(got)
+
+
+def test_filter_is_applied_to_every_pipeline():
+    ok = lambda v: v[0] >= 1  # noqa: E731 every pipeline needs a type-0 block
+    got = list(device_groups((3, 3), 2, ok))
+    assert got and all(v[0] >= 1 for g in got for v in g)
+    assert count_groups((3, 3), 2, ok) == len(got)
+
+
+def test_blocks_cap_and_granularity():
+    big = make_cluster([{"type": "910B2", "devices_per_node": 8, "count": 64},
+                        {"type": "910B4", "devices_per_node": 8, "count": 64}])
+    b = make_blocks(big, 8)
+    assert b.count == (8, 8) and b.block == (64, 64)
+    small = make_cluster([{"type": "A100", "devices_per_node": 3}, {"type": "RTX3090", "devices_per_node": 2}])
+    b = make_blocks(small, 8)
+    assert b.block == (1, 1) and b.count == (3, 2)
+
+
+def test_stage_groups_are_homogeneous_ordered_and_bounded():
+    groups = stage_groups(("A", "B"), (2, 2), num_layers=4, max_stages=16)
+    stages = {g.stages for g in groups}
+    assert (("A", 2), ("B", 2)) in stages and (("B", 2), ("A", 2)) in stages
+    assert (("A", 1), ("A", 1), ("B", 1), ("B", 1)) in stages
+    assert len(stages) == len(groups) == 8
+    for g in stage_groups(("A", "B"), (8, 8), num_layers=40, max_stages=4):
+        assert g.num_stages <= 4
+        assert sum(n for t, n in g.stages if t == "A") == 8
+
+
+def test_assign_ranks_uses_every_rank_once_and_keeps_tp_in_a_node():
+    c = make_cluster([{"type": "910B2", "devices_per_node": 8, "count": 2},
+                      {"type": "910B4", "devices_per_node": 8, "count": 2}])
+    b = make_blocks(c, 8)
+    pipelines = [[("910B2", 4), ("910B4", 8)], [("910B2", 8), ("910B2", 4), ("910B4", 2)] + [("910B4", 2)] * 3]
+    ranks = assign_ranks(b, pipelines)
+    flat = [r for p in ranks for s in p for r in s]
+    assert sorted(flat) == list(range(32))
+    for p, rk in zip(pipelines, ranks):
+        for (t, n), stage in zip(p, rk):
+            assert len(stage) == n and all(c.devices[r].type == t for r in stage)
+            # power-of-two stages start at a multiple of their size: any tp | n stays in a node
+            assert len({c.devices[r].node for r in stage}) == max(1, n // 8)

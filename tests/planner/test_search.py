@@ -1,0 +1,155 @@
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eth.cost import CostModel
+from eth.errors import InfeasibleError, SpecError
+from eth.model import ModelSpec, get_model
+from eth.plan import load_plan
+from eth.planner.bruteforce import brute_force
+from eth.planner.options import SearchOptions
+from eth.planner.search import search
+
+from conftest import A2R2, M4, M6, make_cluster, profiles_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CASES = {
+    "2A+2R": (M4, A2R2, {}, 16),
+    "2A+2R gbs12": (M4, A2R2, {}, 12),
+    "4A": (M4, [{"type": "A100", "devices_per_node": 4}], {}, 16),
+    "3A+2R": (M4, [{"type": "A100", "devices_per_node": 3}, {"type": "RTX3090", "devices_per_node": 2}], {}, 8),
+    "small memory (tp + recompute)": (M6, A2R2, {"A100": {"memory_gb": 3}, "RTX3090": {"memory_gb": 2}}, 16),
+    "3 types": (M4, [{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 1},
+                     {"type": "V100", "devices_per_node": 1}], {}, 8),
+}
+
+
+def setup(name):
+    model, nodes, types, gbs = CASES[name]
+    cluster = make_cluster(nodes, device_types=types) if types else make_cluster(nodes)
+    return model, cluster, profiles_for(model, cluster), gbs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_planner_within_2_percent_of_brute_force(name):
+    model, cluster, db, gbs = setup(name)
+    plan = search(model, cluster, db, SearchOptions(gbs=gbs))
+    plan.validate()
+    got = CostModel(model, cluster, db).evaluate(plan)
+    assert got["feasible"]
+    assert sum(p.lbs for p in plan.pipelines) == gbs
+    best, best_plan = brute_force(model, cluster, db, gbs)
+    assert best_plan is not None
+    assert got["iteration_ms"] <= best * 1.02, (got["iteration_ms"], best)
+
+
+SWITCHES = ("cache", "skip", "order", "dp")
+
+
+@pytest.mark.parametrize("name", ["2A+2R", "3A+2R", "3 types"])
+def test_optimisations_on_and_off_agree_within_1_percent(name):
+    model, cluster, db, gbs = setup(name)
+    times = {}
+    for flags in itertools.product((True, False), repeat=len(SWITCHES)):
+        opts = SearchOptions(gbs=gbs, **dict(zip(SWITCHES, flags)))
+        plan = search(model, cluster, db, opts)
+        plan.validate()
+        times[flags] = plan.predicted["iteration_ms"]
+        assert plan.search["options"]["cache"] == flags[0]
+    ref = times[(False,) * 4]
+    for flags, t in times.items():
+        assert t <= ref * 1.01, (flags, t, ref)
+
+
+def test_dp_path_gives_a_valid_plan_close_to_full_search():
+    model, cluster, db, gbs = setup("3A+2R")
+    full = search(model, cluster, db, SearchOptions(gbs=gbs, dp=False, skip=False))
+    forced = search(model, cluster, db, SearchOptions(gbs=gbs, dp_group_limit=1))
+    forced.validate()
+    assert forced.search["candidates"]["by_dp"] > 0
+    assert forced.search["dp_triggered_at_pipelines"] >= 1
+    assert forced.predicted["iteration_ms"] <= full.predicted["iteration_ms"] * 1.05
+
+
+def test_deterministic_given_seed():
+    model, cluster, db, gbs = setup("3A+2R")
+    runs = [search(model, cluster, db, SearchOptions(gbs=gbs, seed=7, dp_group_limit=2)) for _ in range(2)]
+    a, b = (r.to_dict() for r in runs)
+    for d in (a, b):
+        d["search"].pop("time_s")
+    assert a == b
+
+
+def test_search_metadata_and_predictions():
+    model, cluster, db, gbs = setup("2A+2R")
+    plan = search(model, cluster, db, SearchOptions(gbs=gbs, seed=3))
+    s = plan.search
+    assert s["seed"] == 3 and s["strategy"] == "hpp" and s["time_s"] >= 0
+    assert s["candidates"]["groups_total"] == (s["candidates"]["evaluated"] + s["candidates"]["skipped"]
+                                               + s["candidates"]["not_visited"]) - s["candidates"]["by_dp"]
+    assert plan.predicted["feasible"] and plan.predicted["iteration_ms"] > 0
+    assert all(st.predicted for p in plan.pipelines for st in p.stages)
+
+
+def test_model_too_big_is_infeasible():
+    model = get_model("gpt3-13b")
+    cluster = make_cluster([{"type": "RTX3090", "devices_per_node": 2}])
+    with pytest.raises(InfeasibleError, match="needs .* GB .* cluster has 48.0 GB"):
+        search(model, cluster, profiles_for(model, cluster), SearchOptions(gbs=8))
+
+
+def test_unreachable_gbs_is_infeasible():
+    # one layer and one head: a single stage with tp 1 over 2 devices needs mbs >= 2
+    model = ModelSpec("one", num_layers=1, hidden=64, heads=1, seq_len=16, vocab=64)
+    cluster = make_cluster([{"type": "A100", "devices_per_node": 2}])
+    with pytest.raises(InfeasibleError, match="gbs 1"):
+        search(model, cluster, profiles_for(model, cluster), SearchOptions(gbs=1))
+    plan = search(model, cluster, profiles_for(model, cluster), SearchOptions(gbs=2))
+    assert sum(p.lbs for p in plan.pipelines) == 2
+
+
+def test_options_are_validated():
+    with pytest.raises(SpecError, match="gbs"):
+        SearchOptions(gbs=0)
+    with pytest.raises(SpecError, match="alpha"):
+        SearchOptions(gbs=8, alpha=0.5)
+    with pytest.raises(SpecError, match="strategy"):
+        SearchOptions(gbs=8, strategy="metis")
+
+
+def _write_cluster(tmp_path, nodes):
+    import yaml
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "name": "t", "inter_node_gbps": 100, "nodes": nodes}))
+    return path
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "search_hpp.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_writes_a_valid_plan(tmp_path):
+    cluster = _write_cluster(tmp_path, A2R2)
+    out = tmp_path / "plan.json"
+    r = _cli("--model", "small", "--cluster", str(cluster), "--gbs", "8", "-o", str(out),
+             "--no-progress", "--no-dp")
+    assert r.returncode == 0, r.stderr
+    assert "analytic profiles" in r.stderr
+    assert "Pipe-0" in r.stdout and "predicted iteration" in r.stdout
+    plan = load_plan(out)
+    assert plan.search["options"]["dp"] is False
+    assert json.loads(out.read_text())["search"]["analytic_profiles"]
+
+
+def test_cli_infeasible_exits_2_with_one_line(tmp_path):
+    cluster = _write_cluster(tmp_path, [{"type": "RTX3090", "devices_per_node": 2}])
+    r = _cli("--model", "gpt3-175b", "--cluster", str(cluster), "--gbs", "8", "--no-progress")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") <= 1 and r.stderr.strip().splitlines()[-1].startswith("error:")
+    assert "needs" in r.stderr
