@@ -2,7 +2,8 @@
 
 Each launch trains 3 steps of the tiny fp32 GPT and checks, in one go: every rank
 exited 0, rank 0 logged every iteration, the losses and the final full parameters
-match the reference (plain torch, whole global batch) to 1e-5.
+match the reference (plain torch, whole global batch) to 1e-5, with gradient
+clipping active so that the global norm must count every element exactly once.
 """
 import pytest
 import torch
@@ -13,12 +14,13 @@ from _rt_spawn import launch
 
 ITERS = 3
 TOL = 1e-5
+CLIP = 0.5  # below the gradient norms of these runs (~0.8), so clipping and the norm count
 
 
 @pytest.fixture(scope="module")
 def reference():
     spec = plans.two_pipelines_different_depth().model
-    return train_reference(spec, plans.GBS, ITERS)
+    return train_reference(spec, plans.GBS, ITERS, clip=CLIP)
 
 
 @pytest.mark.parametrize("make_plan", [plans.two_pipelines_different_depth,
@@ -31,7 +33,8 @@ def test_plan_matches_single_process(make_plan, reference, tmp_path):
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "params.pt"
     results = launch(plan.world_size, ["--hpp-plan", str(tmp_path / "plan.json"),
-                                       "--train-iters", str(ITERS), "--save-params", str(out)])
+                                       "--train-iters", str(ITERS), "--clip-grad", str(CLIP),
+                                       "--save-params", str(out)])
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}:\n{r.stderr[-3000:]}"
     log = [line for line in results[0].stdout.splitlines() if line.startswith("iteration")]
