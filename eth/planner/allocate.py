@@ -72,17 +72,21 @@ def _greedy(lines, mbs, gbs: int) -> list[int]:
 
 
 def _bounded_reach(mbs, limits, gbs: int):
-    """Layers reach[i][r]: r samples from pipelines < i with 1 <= c_k <= limits[k]."""
-    reach = [np.zeros(gbs + 1, dtype=bool)]
+    """Layers reach[i][r]: r samples from pipelines < i with 1 <= c_k <= limits[k].
+
+    One layer is a sliding-window OR over each residue class mod Mbs (cumulative sums).
+    """
+    size = gbs + 1
+    reach = [np.zeros(size, dtype=bool)]
     reach[0][0] = True
     for m, n in zip(mbs, limits):
-        prev, new = reach[-1], np.zeros(gbs + 1, dtype=bool)
-        for c in range(1, n + 1):
-            k = c * m
-            if k > gbs:
-                break
-            new[k:] |= prev[:gbs + 1 - k]
-        reach.append(new)
+        rows = -(-size // m)
+        grid = np.zeros(rows * m, dtype=np.int64)
+        grid[:size] = reach[-1]
+        cs = np.vstack([np.zeros((1, m), dtype=np.int64), np.cumsum(grid.reshape(rows, m), axis=0)])
+        k = np.arange(rows)
+        window = cs[k] - cs[np.maximum(k - n, 0)]          # rows k-n .. k-1, i.e. c = 1..n
+        reach.append(window.reshape(-1)[:size] > 0)
     return reach
 
 

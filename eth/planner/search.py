@@ -53,9 +53,13 @@ class SearchStats:
 
     groups_total: int = 0
     groups_evaluated: int = 0
+    """Enumerated groups that were fully evaluated."""
     groups_skipped: int = 0
+    """Enumerated groups dropped by early skipping."""
     groups_by_dp: int = 0
+    """Groups produced and evaluated by DP (they may repeat enumerated ones)."""
     groups_not_visited: int = 0
+    """Groups never enumerated (handled by DP or cut by the time limit)."""
     cache_hits: int = 0
     pipelines_optimised: int = 0
     refinements: int = 0
@@ -189,14 +193,16 @@ class HPPSearch:
 
     def evaluate_group(self, vecs) -> Candidate | None:
         """Three-phase balance of one device group; updates the best plan."""
-        self.stats.groups_evaluated += 1
         if len(vecs) > self.opt.gbs:
             self._reason("more pipelines than gbs")
             return None
         results = []
         for v in vecs:
             r = self.phase1(v)
-            if r is None or not r.feasible:
+            if r is None:
+                self._reason("no pipeline configuration whose mbs divides gbs")
+                return None
+            if not r.feasible:
                 self._reason("a pipeline does not fit in memory")
                 return None
             results.append(r)
@@ -308,6 +314,7 @@ class HPPSearch:
                 self._window.append(1)
                 return
         self._window.append(0)
+        self.stats.groups_evaluated += 1
         self.evaluate_group(vecs)
 
     def _skip_rate_low(self) -> bool:
@@ -368,12 +375,16 @@ class HPPSearch:
         if not any(counts.values()):
             return (f"model {self.model.name} needs {need:.1f} GB for weights, gradients and optimizer "
                     f"states but the cluster has {have:.1f} GB of device memory")
-        if self.stats.time_limited and self.stats.groups_evaluated == 0:
+        if self.stats.time_limited and self.stats.groups_evaluated + self.stats.groups_by_dp == 0:
             return f"time limit {self.opt.time_limit}s reached before any device group was evaluated"
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.reasons.items())) or "none evaluated"
-        return (f"no feasible plan for model {self.model.name} with gbs {self.opt.gbs} on "
-                f"{self.cluster.world_size} devices ({self.stats.groups_evaluated} device groups "
-                f"evaluated; {reasons})")
+        evaluated = self.stats.groups_evaluated + self.stats.groups_by_dp
+        lead = f"no feasible plan for model {self.model.name} with gbs {self.opt.gbs}"
+        if set(self.stats.reasons) <= {"no Lbs split with sum == gbs", "more pipelines than gbs",
+                                       "no pipeline configuration whose mbs divides gbs"}:
+            lead = (f"gbs {self.opt.gbs} cannot be split into local batches that are whole multiples "
+                    f"of the pipelines' mbs for model {self.model.name}")
+        return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
 
 
 def _progress(total: int, enabled: bool):
