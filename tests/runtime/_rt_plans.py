@@ -28,10 +28,12 @@ def two_pipelines_different_depth() -> Plan:
 
 
 def tp_stage_next_to_dp_stage() -> Plan:
-    """(b) one pipeline: stage (tp 2, dp 1) -> stage (tp 1, dp 2), recompute on stage 0."""
-    recompute = {"qkv": 1, "softmax": 2, "attn-dense": 2, "gelu": 1, "post-mlp-dropout": 2}
-    return make(4, [PipelinePlan(4, 16, [stage([0, 1], 2, 1, (0, 2), recompute),
-                                         stage([2, 3], 1, 2, (2, 4))])])
+    """(b) one pipeline: (tp 1, dp 1) -> (tp 2, dp 1) -> (tp 1, dp 2): a tp group receives
+    activations and gradients and sends both to a dp pair; recompute on the tp stage."""
+    recompute = {"qkv": 1, "softmax": 1, "attn-dense": 1, "gelu": 1, "post-mlp-dropout": 1}
+    return make(5, [PipelinePlan(4, 16, [stage([0], 1, 1, (0, 1)),
+                                         stage([1, 2], 2, 1, (1, 2), recompute),
+                                         stage([3, 4], 1, 2, (2, 4))])])
 
 
 def uneven_lbs_different_mbs() -> Plan:

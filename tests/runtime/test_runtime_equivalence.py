@@ -1,4 +1,4 @@
-"""Heterogeneous plans on 3-4 gloo ranks reproduce a single-process dense reference.
+"""Heterogeneous plans on 3-5 gloo ranks reproduce a single-process dense reference.
 
 Each launch trains 3 steps of the tiny fp32 GPT and checks, in one go: every rank
 exited 0, rank 0 logged every iteration, the losses and the final full parameters

@@ -110,9 +110,9 @@ def test_weights_do_not_depend_on_tp():
 
 
 def test_bad_input_fails_on_every_rank(tmp_path):
-    plans.tp_stage_next_to_dp_stage().save(tmp_path / "four.json")
+    plans.tp_stage_next_to_dp_stage().save(tmp_path / "five.json")
     plans.too_large_gbs_sum().save(tmp_path / "sum.json")
-    cases = [(2, tmp_path / "four.json", "plan needs 4 ranks, WORLD_SIZE is 2"),
+    cases = [(2, tmp_path / "five.json", "plan needs 5 ranks, WORLD_SIZE is 2"),
              (2, tmp_path / "sum.json", "sum of pipeline lbs is 16 but gbs is 12"),
              (2, tmp_path / "missing.json", "does not exist")]
     for nproc, path, message in cases:
