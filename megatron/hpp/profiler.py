@@ -1,0 +1,535 @@
+"""Measured op profiles: every op of ``eth.model.ALL_OPS`` timed and sized on this device.
+
+:func:`profile_model` runs, for each (mbs, tp) and op, the *runtime's own* op code and
+returns a profile dict in the format of ``eth.profiles`` ("source": "measured"):
+
+* Op modules.  The 13 layer ops are the methods of :class:`megatron.hpp.model.Layer`
+  (``Layer.OPS``: same boundaries, inputs and outputs as in training); ``embedding`` is
+  ``GPTStage.embed``; ``final-layernorm`` is ``GPTStage.ln``; ``head+loss`` is the rest of
+  ``GPTStage.head_loss`` (output layer + ``vocab_parallel_cross_entropy`` + per-sample
+  mean, written out in :func:`_head_loss`; ``tests/runtime/test_profile_ops.py`` checks
+  that the composed ops reproduce ``GPTStage.forward``).  For tp > 1 the modules are
+  built at one tp rank's shard shapes by handing them a *fake* tp process group of size
+  tp (torch's ``FakeProcessGroup``, rank 0): megatron-core then allocates the rank-0
+  shards and every tp collective is a no-op, so the numbers are the compute of one
+  shard; the cost model adds tp collectives itself (``eth.model.tp_allreduces``).
+* Inputs.  One forward of embedding -> layer -> final layernorm on a random
+  micro-batch ([seq, mbs, hidden] activations) gives every op realistic inputs; each
+  measurement feeds the op fresh leaf copies (float inputs require grad).
+* fwd_ms / bwd_ms: median over ``repeats`` runs after ``warmup`` runs; the backward is
+  ``torch.autograd.backward(output, random grad)`` (grads of inputs and parameters),
+  parameter grads reset to None before each run.  CUDA: CUDA events; CPU:
+  ``time.perf_counter``.
+* weight_bytes: bytes of the parameters (this tp rank's shard) that receive a gradient
+  in the op's backward.
+* act_bytes: measured with ``torch.autograd.graph.saved_tensors_hooks``: the sum over
+  the *unique storages* (by data pointer) of every tensor packed for backward during
+  the op's forward, each counted with its whole storage size.  Counted: the op's own
+  inputs when autograd saves them (e.g. a GEMM's input), outputs it saves (softmax),
+  masks, indices and statistics (layernorm mean/rstd in fp32, cross-entropy target
+  mask and indices), temporaries such as the causal mask.  Not counted: parameters
+  (they are weight_bytes).  A view shares its base's storage, so e.g. q/k/v views of
+  the fused qkv tensor count once, with the full qkv size.
+* input_bytes / output_bytes: ``numel * element_size`` of the op's tensor arguments
+  (token ids and labels included) and of its output.
+* reserved_bytes: CPU: ``eth.profiles.RESERVED_BYTES`` (an analytic default; the CPU
+  allocator keeps no statistics).  CUDA: memory the CUDA context and libraries hold
+  outside PyTorch's allocator (``mem_get_info`` used - ``memory_reserved``) plus the
+  largest allocator workspace of any op (``max_memory_reserved`` during its forward +
+  backward minus ``memory_allocated`` before it).
+
+:func:`measure_collectives` (world size >= 2) times all_reduce, all_gather,
+reduce_scatter (group sizes 2..world, ranks 0..n-1) and p2p (ranks 0 and 1, half a
+round trip) over message sizes: ``{kind: {"n": [[bytes, ms], ...]}}`` where bytes is the
+full (unsharded) buffer, as ``eth.profiles.collective_ms`` reads it; each time is the
+median over repeats, then the maximum over the group's ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eth.errors import SpecError
+from eth.model import ACT_BYTES, ALL_OPS, ModelSpec, op_shapes
+from eth.profiles import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS, DeviceProfile
+
+DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+DEFAULT_COLLECTIVE_SIZES = tuple(2 ** k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to measure (validated on construction)."""
+
+    model: ModelSpec
+    """Model shape; the runtime supports multi-head attention + GELU only."""
+    device_type: str
+    """Catalog / cluster device type name the profile is filed under."""
+    mbs: tuple
+    """Micro-batch sizes to measure."""
+    tp: tuple
+    """Tensor-parallel degrees (one shard is measured)."""
+    dtype: str = "fp32"
+    """Parameter and activation dtype: fp32, bf16 or fp16."""
+    repeats: int = 10
+    """Timed runs per op and pass (the median is kept)."""
+    warmup: int = 3
+    """Untimed runs before the timed ones."""
+    seed: int = 1234
+
+    def __post_init__(self):
+        object.__setattr__(self, "mbs", tuple(self.mbs))
+        object.__setattr__(self, "tp", tuple(self.tp))
+        if not self.device_type or not self.device_type.strip():
+            raise SpecError("--device-type must be a non-empty name")
+        if not self.mbs or any(not isinstance(m, int) or m <= 0 for m in self.mbs):
+            raise SpecError(f"mbs must be positive integers, got {list(self.mbs)}")
+        if not self.tp or any(not isinstance(t, int) or t <= 0 for t in self.tp):
+            raise SpecError(f"tp must be positive integers, got {list(self.tp)}")
+        for t in self.tp:
+            self.model.check_tp(t)
+        if self.model.kv_heads != self.model.heads or self.model.swiglu:
+            raise SpecError(f"model {self.model.name} has kv_heads {self.model.kv_heads} (heads "
+                            f"{self.model.heads}), swiglu {self.model.swiglu}: the runtime's GPT stage "
+                            f"has multi-head attention + GELU only, so its ops cannot be measured")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise SpecError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+
+
+# ----------------------------------------------------------------------------------
+# Devices, clocks, names.
+
+def local_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor()
+    if not name:
+        with contextlib.suppress(OSError):
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    return f"{name or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def device_type_warning(device_type: str, device: torch.device) -> str | None:
+    """A warning when the measured device does not look like ``device_type``."""
+    norm = lambda s: s.lower().replace("-", "").replace(" ", "").replace("_", "")  # noqa: E731
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if norm(device_type) not in norm(name):
+            return f"--device-type {device_type} does not look like this device ({name})"
+    elif not norm(device_type).startswith("cpu"):
+        return f"no CUDA device: measuring the CPU, but the profile is filed as {device_type}"
+    return None
+
+
+class _Clock:
+    """Elapsed milliseconds of a region: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._a, self._b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._a.record()
+        else:
+            self._t = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._b.record()
+            self._b.synchronize()
+            return float(self._a.elapsed_time(self._b))
+        return (time.perf_counter() - self._t) * 1e3
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+# ----------------------------------------------------------------------------------
+# The runtime's modules at one tp rank's shard shapes.
+
+def _fake_tp_group(tp: int):
+    """A process group of size ``tp`` whose collectives do nothing (we are its rank 0)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    make = getattr(FakeProcessGroup, "_create_internal", None)
+    return make(0, tp) if make is not None else FakeProcessGroup(0, tp)
+
+
+@contextlib.contextmanager
+def _initialised_default_group():
+    """megatron-core reads group sizes only once torch.distributed is initialised; without
+    a real default group, a one-rank fake one is created for the duration."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _head_loss(stage, y, labels):
+    """``GPTStage.head_loss`` after its final layernorm (loss_scale 1)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron.hpp.compat import tp_group_globals
+
+    logits = stage.out(y)[0]
+    with tp_group_globals(stage.tp_group):
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+    return losses.mean(dim=0).sum()
+
+
+@dataclass
+class _Op:
+    name: str
+    fn: object
+    inputs: tuple
+    output: str
+    params: list
+
+
+def build_ops(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int):
+    """(ops in ALL_OPS order, stage, layer): the runtime's modules for one rank of ``tp``.
+
+    Needs an initialised torch.distributed (see :func:`_initialised_default_group`).
+    """
+    from megatron.hpp.compat import Backend, setup_rng
+    from megatron.hpp.model import INIT_STD, GPTStage, Layer
+
+    group = _fake_tp_group(tp)
+    tracker = setup_rng(Backend("nccl" if device.type == "cuda" else "gloo", device), seed, seed, 0)
+    layer = Layer(spec, 0, group, tracker, frozenset())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # megatron leaves the weights uninitialised (values only matter for NaNs)
+        for name, p in layer.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, INIT_STD, generator=gen)
+            else:
+                p.fill_(1.0 if name.startswith("ln") and name.endswith("weight") else 0.0)
+    stage = GPTStage(spec, (0, 0), True, True, group, tracker, seed=seed)
+    layer.to(device=device, dtype=dtype).train()
+    stage.to(device=device, dtype=dtype).train()
+    lp = list(layer.parameters())
+    ops = [_Op("embedding", stage.embed, ("tokens",), "x", list(stage.parameters()))]
+    ops += [_Op(n, getattr(layer, m), ins, out, lp) for n, m, ins, out in layer.OPS]
+    ops += [_Op("final-layernorm", stage.ln, ("out",), "y", list(stage.parameters())),
+            _Op("head+loss", lambda y, labels: _head_loss(stage, y, labels), ("y", "labels"), "loss",
+                list(stage.parameters()))]
+    assert tuple(o.name for o in ops) == ALL_OPS
+    return ops, stage, layer
+
+
+@torch.no_grad()
+def op_inputs(spec: ModelSpec, ops, mbs: int, device: torch.device, seed: int) -> dict:
+    """Every named tensor of one micro-batch's forward (tokens [b, s], hidden [s, b, h])."""
+    gen = torch.Generator().manual_seed(seed + mbs)
+    tokens = torch.randint(0, spec.vocab, (mbs, spec.seq_len + 1), generator=gen).to(device)
+    env = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    for op in ops:
+        env[op.output] = op.fn(*[env[i] for i in op.inputs])
+    return env
+
+
+def _fresh(env: dict, names) -> list:
+    return [env[n].detach().clone().requires_grad_(env[n].is_floating_point()) for n in names]
+
+
+# ----------------------------------------------------------------------------------
+# Measuring one op.
+
+def saved_activation_bytes(fn, args, params) -> tuple[float, torch.Tensor]:
+    """(bytes of the unique non-parameter storages saved for backward, output) of fn(*args)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip and st.nbytes() > 0:
+            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return float(sum(storages.values())), out
+
+
+def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: int) -> dict:
+    """{field: value} for OP_FIELDS plus "workspace_bytes" (CUDA) of one op."""
+    cuda = device.type == "cuda"
+    for p in op.params:
+        p.grad = None
+    args = _fresh(env, op.inputs)
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    act, out = saved_activation_bytes(op.fn, args, op.params)
+    grad = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+    torch.autograd.backward(out, grad)
+    weight = float(sum(_nbytes(p) for p in op.params if p.grad is not None))
+    workspace = float(torch.cuda.max_memory_reserved(device) - before) if cuda else 0.0
+    in_bytes, out_bytes = float(sum(_nbytes(a) for a in args)), float(_nbytes(out))
+    del out, args
+    clock, fwd, bwd = _Clock(device), [], []
+    for i in range(warmup + repeats):
+        for p in op.params:
+            p.grad = None
+        args = _fresh(env, op.inputs)
+        clock.start()
+        out = op.fn(*args)
+        f = clock.stop()
+        clock.start()
+        torch.autograd.backward(out, grad)
+        b = clock.stop()
+        if i >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+        del out, args
+    for p in op.params:
+        p.grad = None
+    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "weight_bytes": weight,
+            "act_bytes": act, "input_bytes": in_bytes, "output_bytes": out_bytes,
+            "workspace_bytes": workspace}
+
+
+def _context_bytes(device: torch.device) -> float:
+    free, total = torch.cuda.mem_get_info(device)
+    return float(max(total - free - torch.cuda.memory_reserved(device), 0))
+
+
+# ----------------------------------------------------------------------------------
+# The (mbs, tp, op) grid.
+
+def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, progress=None) -> list[dict]:
+    """Profile entries ({"mbs", "tp", "reserved_bytes", "ops"}) for every (mbs, tp).
+
+    ``progress`` (optional) is called once per measured op with (mbs, tp, op name).
+    """
+    from megatron.hpp.compat import quiet_megatron_warnings
+
+    quiet_megatron_warnings()
+    device = device or local_device()
+    dtype = torch_dtype(cfg.dtype)
+    entries = []
+    with _initialised_default_group():
+        for tp in cfg.tp:
+            ops, stage, layer = build_ops(cfg.model, tp, device, dtype, cfg.seed)
+            for mbs in cfg.mbs:
+                env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
+                rows, workspace = {}, 0.0
+                for op in ops:
+                    m = measure_op(op, env, device, cfg.repeats, cfg.warmup)
+                    rows[op.name] = [m[f] for f in OP_FIELDS]
+                    workspace = max(workspace, m["workspace_bytes"])
+                    if progress is not None:
+                        progress(mbs, tp, op.name)
+                entry = {"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": rows}
+                if device.type == "cuda":
+                    context = _context_bytes(device)
+                    entry["reserved_bytes"] = context + workspace
+                    entry["reserved_detail"] = {"context_bytes": context, "workspace_bytes": workspace}
+                entries.append(entry)
+                del env
+            del ops, stage, layer
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return entries
+
+
+def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mcore = version("megatron-core")
+    except PackageNotFoundError:
+        mcore = "unknown"
+    cuda = device.type == "cuda"
+    return {
+        "generator": "tools/profile_ops.py (megatron.hpp.profiler)",
+        "device_name": device_description(device), "device": str(device),
+        "torch": torch.__version__, "megatron_core": mcore, "cuda": torch.version.cuda if cuda else None,
+        "dtype": cfg.dtype, "dtype_bytes": DTYPE_BYTES[cfg.dtype],
+        "repeats": cfg.repeats, "warmup": cfg.warmup, "statistic": "median",
+        "timer": "CUDA events" if cuda else "time.perf_counter",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "op_modules": "megatron.hpp.model Layer / GPTStage at one tp rank's shard shapes "
+                      "(fake tp group: tp collectives are not included)",
+        "act_bytes": "unique non-parameter storages packed by saved_tensors_hooks in the op's forward",
+        "reserved_bytes": ("CUDA context (mem_get_info used - memory_reserved) + largest op workspace "
+                           "(max_memory_reserved - memory_allocated before the op)") if cuda else
+                          f"eth.profiles.RESERVED_BYTES = {RESERVED_BYTES:g} (analytic default; not measured on CPU)",
+    }
+
+
+def profile_dict(cfg: ProfileConfig, entries: list[dict], prov: dict, collectives: dict | None = None) -> dict:
+    """A version-1 profile JSON dict holding one model shape."""
+    model = {"name": cfg.model.name, "shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS},
+             "provenance": prov, "entries": entries}
+    data = {"version": PROFILE_VERSION, "device": cfg.device_type, "source": "measured",
+            "provenance": prov, "op_fields": list(OP_FIELDS), "models": [model]}
+    if collectives:
+        data["collectives"] = collectives
+    return data
+
+
+def check_merge_target(old: dict, device_type: str, where: str = "output") -> None:
+    """A measured profile of ``device_type`` may be merged into ``old`` (else SpecError)."""
+    prof = DeviceProfile(old, where=where)
+    if prof.device != device_type:
+        raise SpecError(f"{where} holds device {prof.device!r}, not {device_type!r}; "
+                        f"write to another file")
+    if prof.source != "measured":
+        raise SpecError(f"{where} holds {prof.source!r} profiles; write measured ones to another "
+                        f"file (e.g. profiles/measured/{device_type}.json)")
+
+
+def merge_profiles(old: dict, new: dict, where: str = "output") -> dict:
+    """``new``'s model shapes and collective tables replace the same ones in ``old``;
+    other shapes (each with its own provenance) are kept."""
+    check_merge_target(old, new["device"], where)
+    shapes = {tuple(m["shape"][f] for f in SHAPE_FIELDS) for m in new["models"]}
+    models = [m for m in old["models"] if tuple(m["shape"][f] for f in SHAPE_FIELDS) not in shapes]
+    merged = dict(old, provenance=new["provenance"], models=models + new["models"])
+    colls = {k: dict(v) for k, v in (old.get("collectives") or {}).items()}
+    for kind, table in (new.get("collectives") or {}).items():
+        colls.setdefault(kind, {}).update(table)
+    if colls:
+        merged["collectives"] = colls
+    return merged
+
+
+# ----------------------------------------------------------------------------------
+# Collectives (needs an initialised world of >= 2 ranks).
+
+def measure_collectives(device: torch.device, sizes=DEFAULT_COLLECTIVE_SIZES, repeats: int = 10,
+                        warmup: int = 3) -> dict:
+    """{kind: {"n": [[bytes, ms], ...]}} for group sizes 2..world (every rank must call)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise SpecError(f"--collectives needs a world size >= 2 (torchrun), WORLD_SIZE is {world}")
+    clock, out = _Clock(device), {k: {} for k in COLLECTIVE_KINDS}
+
+    def timed(run):
+        for _ in range(warmup):
+            run()
+        times = []
+        for _ in range(repeats):
+            clock.start()
+            run()
+            times.append(clock.stop())
+        return statistics.median(times)
+
+    for n in range(2, world + 1):
+        group = dist.new_group(list(range(n)))
+        if rank < n:
+            rows = {k: [] for k in COLLECTIVE_KINDS}
+            for nbytes in sizes:
+                numel = max(n, nbytes // 4 // n * n)  # fp32, divisible by n
+                full = torch.ones(numel, device=device)
+                part = torch.empty(numel // n, device=device)
+                rows["all_reduce"].append([numel * 4, timed(lambda: dist.all_reduce(full, group=group))])
+                rows["all_gather"].append(
+                    [numel * 4, timed(lambda: dist.all_gather_into_tensor(full, part, group=group))])
+                rows["reduce_scatter"].append(
+                    [numel * 4, timed(lambda: dist.reduce_scatter_tensor(part, full, group=group))])
+                if n == 2:
+                    rows["p2p"].append([numel * 4, timed(lambda: _ping_pong(full, rank)) / 2])
+            for kind, table in rows.items():
+                if table:
+                    worst = torch.tensor([ms for _, ms in table], dtype=torch.float64, device=device)
+                    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+                    out[kind][str(n)] = [[b, float(ms)] for (b, _), ms in zip(table, worst.tolist())]
+        dist.barrier()
+    return {k: v for k, v in out.items() if v}
+
+
+def _ping_pong(buf: torch.Tensor, rank: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+# ----------------------------------------------------------------------------------
+# Summary.
+
+def summary_table(cfg: ProfileConfig, entries: list[dict]) -> str:
+    """op, fwd/bwd ms, act MB at the largest mbs (smallest tp), and measured/analytic ratios
+    of fwd time and act bytes (analytic act scaled from 2-byte to the measured dtype)."""
+    from eth.cluster import catalog
+
+    mbs, tp = max(cfg.mbs), min(cfg.tp)
+    entry = next(e for e in entries if e["mbs"] == mbs and e["tp"] == tp)
+    dev = catalog().get(cfg.device_type)
+    analytic = shapes = None
+    if dev is not None:
+        from eth.profiles import analytic_op_costs
+
+        analytic = analytic_op_costs(dev, cfg.model, mbs, tp)
+    shapes = op_shapes(cfg.model, mbs, tp)
+    scale = DTYPE_BYTES[cfg.dtype] / ACT_BYTES
+    lines = [f"{cfg.model.name} on {cfg.device_type} ({cfg.dtype}), mbs {mbs}, tp {tp}:",
+             f"{'op':<18}{'fwd ms':>10}{'bwd ms':>10}{'act MB':>10}{'fwd/an':>9}{'act/an':>9}"]
+    for op in ALL_OPS:
+        fwd, bwd, _, act = entry["ops"][op][:4]
+        r_fwd = f"{fwd / analytic[op][0]:.2f}" if analytic else "-"
+        an_act = shapes[op].act_bytes * scale
+        r_act = f"{act / an_act:.2f}" if an_act > 0 else ("-" if act == 0 else "inf")
+        lines.append(f"{op:<18}{fwd:>10.4f}{bwd:>10.4f}{act / 2**20:>10.4f}{r_fwd:>9}{r_act:>9}")
+    note = (f"fwd/an: measured / roofline for catalog {cfg.device_type}" if analytic
+            else f"fwd/an: '{cfg.device_type}' is not in the device catalog")
+    lines.append(f"{note}; act/an: measured / eth.model.op_shapes scaled to {cfg.dtype}")
+    return "\n".join(lines)
+
+
+def check_output_path(path) -> None:
+    """Fail early (SpecError) when ``path`` cannot be written."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise SpecError(f"output {path} is a directory")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise SpecError(f"output {path} cannot be written ({parent} is not a writable directory)")
+    if path.exists() and not os.access(path.parent, os.W_OK):
+        raise SpecError(f"output {path} cannot be replaced ({path.parent} is not writable)")
