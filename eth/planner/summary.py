@@ -1,14 +1,16 @@
 """Readable Table-3-style summary of a plan (paper appendix A)."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from eth.plan import Plan
 
-# Short names as in the paper's Table 3.
-OP_SHORT = {
+# Short names as in the paper's Table 3 (read-only).
+OP_SHORT = MappingProxyType({
     "1st-layernorm": "LN1", "qkv": "Qkv", "score": "Sco", "softmax": "AS", "attn-dropout": "AD",
     "context": "Ctx", "attn-dense": "Dense", "post-attn-dropout": "PAD", "2nd-layernorm": "LN2",
     "mlp-gemm-1": "G1", "gelu": "Gelu", "mlp-gemm-2": "G2", "post-mlp-dropout": "PMD",
-}
+})
 
 
 def _recompute_text(rec: dict, num_layers: int) -> str:
