@@ -1,0 +1,241 @@
+"""tools/profile_ops.py + megatron/hpp/profiler.py on the CPU: the written profile loads
+and serves every profiled (mbs, tp); measured sizes against eth.model.op_shapes; the
+composed ops reproduce GPTStage; bad input; merging; collectives on 2 gloo ranks.
+No timing thresholds: times are only checked to be positive and finite.
+
+Saved activations (fp32 here, E = 4 bytes; op_shapes uses 2-byte activations, so its
+numbers are scaled by 4/2 where they are activation-sized).  Exact agreement:
+qkv, attn-dense, mlp-gemm-1, mlp-gemm-2 (the GEMM input), gelu (its input), the dropouts
+(nothing when dropout is 0).  Where the definitions differ (asserted exactly too):
+  layernorms   input (scaled) + mean/rstd, 2 x 4 bytes per token: the stats are fp32,
+               so they are not scaled;
+  softmax      output + the s x s bool causal mask (constant in mbs; not in the formula);
+  score        q and k are views of the fused qkv output, whose whole storage is held:
+               3h/t wide instead of the formula's (h + kv)/t;
+  context      probs + the whole fused qkv (formula: probs + v only);
+  embedding    the int64 token ids (not scaled) + at tp > 1 the bool out-of-shard mask;
+  head+loss    GEMM input (scaled) + fp32 softmax of the logits + cross entropy's bool
+               target mask and int64 targets (9 bytes per token, not in the formula).
+With dropout > 0 on the CPU a dropout mask has the activation dtype (torch's CPU
+dropout multiplies by a noise tensor); op_shapes assumes CUDA's 1-byte bool mask.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from _rt_spawn import REPO, free_port
+from eth.cli import run_main
+from eth.model import ACT_BYTES, ALL_OPS, get_model, op_shapes
+from eth.profiles import ProfileDB, collective_ms, load_profile, save_profile
+
+sys.path.insert(0, str(REPO / "tools"))
+import profile_ops  # noqa: E402
+
+TINY = get_model("tiny")
+MBS, TPS, E = (1, 2, 4), (1, 2), 4
+FAST = ["--repeats", "2", "--warmup", "1", "--no-progress"]
+
+
+def run(argv):
+    return run_main(profile_ops.main, argv)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prof") / "sub" / "cpu.json"
+    rc = run(["--model", "tiny", "--device-type", "cpu", "--mbs", "1,2,4", "--tp", "1,2",
+              "-o", str(path), *FAST])
+    assert rc == 0
+    return path
+
+
+def entries(path):
+    return {(e["mbs"], e["tp"]): e["ops"] for e in load_profile(path).data["models"][0]["entries"]}
+
+
+def test_file_loads_and_serves_every_entry(measured, capsys):
+    prof = load_profile(measured)
+    assert prof.source == "measured" and prof.device == "cpu"
+    prov = prof.data["provenance"]
+    for key in ("device_name", "torch", "megatron_core", "dtype", "repeats", "date", "command"):
+        assert prov[key], key
+    assert prov["dtype"] == "fp32" and prov["repeats"] == 2 and "RESERVED_BYTES" in prov["reserved_bytes"]
+    db = ProfileDB.load(measured)
+    for mbs in MBS:
+        for tp in TPS:
+            ops, reserved = db.layer_costs("cpu", TINY, mbs, tp)
+            assert set(ops) == set(ALL_OPS) and reserved == 1.0e9
+            for op, c in ops.items():
+                assert math.isfinite(c.fwd_ms) and c.fwd_ms > 0 and c.bwd_ms > 0, op
+    assert sorted(entries(measured)) == sorted((m, t) for m in MBS for t in TPS)
+
+
+def test_weight_bytes_equal_the_formula_in_the_dtype(measured):
+    for (mbs, tp), ops in entries(measured).items():
+        shapes = op_shapes(TINY, mbs, tp)
+        for op in ALL_OPS:
+            assert ops[op][2] == shapes[op].weight_bytes * E // ACT_BYTES, (op, mbs, tp)
+
+
+def expected_act(spec, mbs, tp, op):
+    """Saved bytes the profiler must measure in fp32 (see the module docstring)."""
+    s, b, h, v = spec.seq_len, mbs, spec.hidden, spec.vocab
+    formula = op_shapes(spec, mbs, tp)[op].act_bytes
+    scaled = formula * E // ACT_BYTES
+    qkv_out = b * s * 3 * h // tp * E
+    if op in ("qkv", "attn-dense", "mlp-gemm-1", "mlp-gemm-2", "gelu", "attn-dropout",
+              "post-attn-dropout", "post-mlp-dropout"):
+        return scaled
+    if op in ("1st-layernorm", "2nd-layernorm", "final-layernorm"):
+        return b * s * h * E + b * s * 8
+    if op == "softmax":
+        return scaled + s * s
+    if op == "score":
+        return qkv_out
+    if op == "context":
+        return b * (spec.heads // tp) * s * s * E + qkv_out
+    if op == "embedding":
+        return formula + (b * s if tp > 1 else 0)
+    if op == "head+loss":
+        return b * s * h * E + b * s * v // tp * 4 + b * s * 9
+    raise AssertionError(op)
+
+
+def test_saved_activation_bytes_against_op_shapes(measured):
+    for (mbs, tp), ops in entries(measured).items():
+        for op in ALL_OPS:
+            assert ops[op][3] == expected_act(TINY, mbs, tp, op), (op, mbs, tp)
+    one = entries(measured)[(2, 1)]
+    for op in ("qkv", "attn-dense", "mlp-gemm-1", "mlp-gemm-2", "gelu"):  # the formula, exactly
+        assert one[op][3] == op_shapes(TINY, 2, 1)[op].act_bytes * E // ACT_BYTES
+
+
+def test_sizes_scale_linearly_with_mbs(measured):
+    table = entries(measured)
+    for tp in TPS:
+        for op in ALL_OPS:
+            a1, a2, a4 = (table[(m, tp)][op][3] for m in MBS)
+            if op == "softmax":  # + the mbs-independent causal mask
+                assert a4 - a2 == 2 * (a2 - a1) and a1 - (a2 - a1) == TINY.seq_len ** 2
+            else:
+                assert a2 == 2 * a1 and a4 == 4 * a1, (op, tp)
+            i1, i4 = table[(1, tp)][op][4], table[(4, tp)][op][4]
+            assert i4 == 4 * i1, (op, tp)
+            w1, w4 = table[(1, tp)][op][2], table[(4, tp)][op][2]
+            assert w1 == w4
+
+
+def test_dropout_masks_are_measured():
+    from megatron.hpp.profiler import ProfileConfig, measure_entries
+
+    spec = replace(TINY, dropout=0.1)
+    cfg = ProfileConfig(spec, "cpu", (2,), (2,), "bf16", repeats=1, warmup=0)
+    ops = measure_entries(cfg)[0]["ops"]
+    shapes = op_shapes(spec, 2, 2)
+    # CPU dropout keeps a noise tensor of the activation dtype (2 bytes), CUDA a bool mask.
+    assert ops["attn-dropout"][3] == 2 * shapes["attn-dropout"].act_bytes > 0
+    assert ops["post-mlp-dropout"][3] == 2 * shapes["post-mlp-dropout"].act_bytes > 0
+    assert ops["qkv"][2] == shapes["qkv"].weight_bytes  # bf16 = the formula's 2 bytes
+    assert ops["qkv"][3] == shapes["qkv"].act_bytes
+
+
+def test_composed_ops_reproduce_the_stage():
+    import torch
+
+    from megatron.hpp.compat import Backend, setup_rng
+    from megatron.hpp.model import GPTStage
+    from megatron.hpp.profiler import _fake_tp_group, _initialised_default_group, build_ops, op_inputs
+
+    cpu = torch.device("cpu")
+    with _initialised_default_group():
+        ops, stage, layer = build_ops(TINY, 1, cpu, torch.float32, 7)
+        env = op_inputs(TINY, ops, 2, cpu, 7)
+        ref = GPTStage(TINY, (0, 1), True, True, _fake_tp_group(1),
+                       setup_rng(Backend("gloo", cpu), 7, 7, 0), seed=7)
+        ref.layers[0].load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            loss = ref(env["tokens"], env["labels"], 1.0)
+    assert torch.equal(loss, env["loss"])
+
+
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    analytic = tmp_path / "analytic.json"
+    from eth.cluster import catalog
+    from eth.profiles import analytic_profile
+
+    save_profile(analytic_profile(catalog()["cpu"], [TINY], (1,), (1,)), analytic)
+    cases = [(["--model", "nope", "-o", str(out)], "unknown model 'nope'"),
+             (["--model", "tiny", "--tp", "3", "-o", str(out)], "tp 3 does not divide model.heads 4"),
+             (["--model", "tiny", "--mbs", "0,2", "-o", str(out)], "expected positive integers"),
+             (["--model", "tiny", "--mbs", "-1", "-o", str(out)], "expected positive integers"),
+             (["--model", "tiny", "-o", str(blocker / "p.json")], "cannot be written"),
+             (["--model", "llama2-70b", "-o", str(out)], "multi-head attention + GELU only"),
+             (["--model", "tiny", "--collectives", "-o", str(out)], "WORLD_SIZE is 1"),
+             (["--model", "tiny", "-o", str(analytic)], "holds 'analytic' profiles")]
+    for argv, message in cases:
+        assert run([*argv, "--device-type", "cpu", *FAST]) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["analytic.json", "file"]
+    assert load_profile(analytic).source == "analytic"
+
+
+def test_merge_keeps_other_shapes(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    base = ["--model", "tiny", "--device-type", "cpu", "--tp", "1", "-o", str(out), *FAST]
+    assert run([*base, "--seq", "16", "--mbs", "1"]) == 0
+    assert run([*base, "--mbs", "1,2"]) == 0
+    data = json.loads(out.read_text())
+    seqs = {m["shape"]["seq_len"]: [e["mbs"] for e in m["entries"]] for m in data["models"]}
+    assert seqs == {16: [1], 32: [1, 2]}
+    assert run([*base, "--mbs", "2"]) == 0  # same shape again: replaced, not appended
+    data = json.loads(out.read_text())
+    seqs = {m["shape"]["seq_len"]: [e["mbs"] for e in m["entries"]] for m in data["models"]}
+    assert seqs == {16: [1], 32: [2]} and len(data["models"]) == 2
+    db = ProfileDB.load(out)
+    db.layer_costs("cpu", replace(TINY, seq_len=16), 1, 1)
+    db.layer_costs("cpu", TINY, 2, 1)
+    out_text = capsys.readouterr().out
+    assert "head+loss" in out_text and "fwd/an" in out_text and f"wrote {out}" in out_text
+    assert run(["--model", "tiny", "--device-type", "other", "--tp", "1", "--mbs", "1",
+                "-o", str(out), *FAST]) == 2
+    assert "holds device 'cpu', not 'other'" in capsys.readouterr().err
+
+
+def test_collectives_on_two_gloo_ranks(tmp_path):
+    out = tmp_path / "cpu.json"
+    port = free_port()
+    args = [sys.executable, str(REPO / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type",
+            "cpu", "--mbs", "1", "--tp", "1", "--collectives", "--collective-sizes", "1024,65536",
+            "-o", str(out), *FAST]
+    procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+             for r in range(2)]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (o, e) in zip(procs, results):
+        assert p.returncode == 0, e
+    assert "wrote" in results[0][0] and "wrote" not in results[1][0]  # rank 0 writes
+    prof = load_profile(out)
+    colls = prof.data["collectives"]
+    assert set(colls) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for kind, table in colls.items():
+        assert list(table) == ["2"]
+        assert [row[0] for row in table["2"]] == [1024, 65536] and all(row[1] > 0 for row in table["2"])
+    ms = collective_ms("all_reduce", 2, 1024, 1.0, prof)  # the table, not the 1 Gbit/s model
+    assert ms == pytest.approx(colls["all_reduce"]["2"][0][1])
+    assert prof.data["provenance"]["collectives"]["world_size"] == 2
