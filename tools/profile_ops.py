@@ -76,12 +76,16 @@ def main(argv=None) -> int:
     collectives = None
     if args.collectives:
         collectives = _collectives(profiler, sizes, args.repeats, args.warmup)
-        if rank != 0:
-            return 0
+    if rank != 0:  # under torchrun only rank 0 measures the ops and writes
+        return 0
     device = profiler.local_device()
     warning = profiler.device_type_warning(cfg.device_type, device)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
+    if cfg.dtype == "fp32":
+        print("note: fp32 profile: weight and activation bytes are 4 per element; the planner's "
+              "memory model assumes 2-byte parameters (profile the training dtype to plan)",
+              file=sys.stderr)
 
     from tqdm import tqdm
 

@@ -136,7 +136,8 @@ def device_type_warning(device_type: str, device: torch.device) -> str | None:
     norm = lambda s: s.lower().replace("-", "").replace(" ", "").replace("_", "")  # noqa: E731
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        if norm(device_type) not in norm(name):
+        family = device_type.split("-")[0] or device_type  # "A100-40GB" -> "A100"
+        if norm(family) not in norm(name):
             return f"--device-type {device_type} does not look like this device ({name})"
     elif not norm(device_type).startswith("cpu"):
         return f"no CUDA device: measuring the CPU, but the profile is filed as {device_type}"
