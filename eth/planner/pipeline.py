@@ -2,8 +2,8 @@
 
 :func:`optimise_pipeline` (phase 1, batch = Gbs) enumerates the pipeline's stage device
 groups (:func:`eth.planner.enumerate.stage_groups`), warm-starts each
-(:func:`eth.planner.balance.initial_state`), gives the ``stage_groups_topk`` best warm
-starts the full balancer with an adaptive budget, and returns the best.
+(:func:`eth.planner.balance.initial_state`), gives every warm start (or only the
+``stage_groups_topk`` best ones) the balancer with an adaptive budget, and returns the best.
 :func:`refine_pipeline` (phase 3) re-balances the chosen configuration for the
 pipeline's local batch (Eq. 1 with Lbs instead of Gbs).
 
@@ -95,7 +95,7 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
         return None
     starts.sort(key=lambda x: (x[0], x[1]))
     best = None
-    for _, _, g, ranks, (state, e), budget in starts[:topk]:
+    for _, _, g, ranks, (state, e), budget in (starts[:topk] if topk else starts):
         state, e, _ = balance(ev, state, batch, ranks, budget, e)
         if best is None or e.key < best.evaluation.key:
             best = PipelineResult(tuple(vec), batch, g, state, e, ranks)

@@ -70,3 +70,13 @@ def test_assign_ranks_uses_every_rank_once_and_keeps_tp_in_a_node():
             assert len(stage) == n and all(c.devices[r].type == t for r in stage)
             # power-of-two stages start at a multiple of their size: any tp | n stays in a node
             assert len({c.devices[r].node for r in stage}) == max(1, n // 8)
+
+
+def test_1024_devices_stay_enumerable():
+    big = make_cluster([{"type": "910B2", "devices_per_node": 8, "count": 64},
+                        {"type": "910B4", "devices_per_node": 8, "count": 64}])
+    b = make_blocks(big, 8)
+    total = sum(count_groups(b.count, p) for p in range(1, b.total + 1))
+    assert total == 8406  # vector partitions of (8, 8)
+    g = next(device_groups(b.count, 3))
+    assert sum(v[0] for v in g) == 8 and sum(b.devices(v)[0] for v in g) == 512
