@@ -7,7 +7,7 @@ inter-type 100 Gbit/s) at 16..128 devices; the optimisation ablation (none, +cac
 (roofline) profiles.  Runs that hit their time limit are marked "(limit)": their
 iteration time is the best plan found within the limit.
 
-    python bench/search_scaling.py            # full (un-optimised runs limited to 120 s)
+    python bench/search_scaling.py            # full (un-optimised runs limited to 300 s)
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, help="time limit (s) of un-optimised runs")
     p.add_argument("--gbs", type=int, default=1024)
     args = p.parse_args(argv)
-    limit = args.limit or (20.0 if args.quick else 120.0)
+    limit = args.limit or (20.0 if args.quick else 300.0)
     none = dict(cache=False, skip=False, order=False, dp=False)
 
     print(f"# HPP search scaling, GPT-3 13B on 910B2/910B4, gbs {args.gbs}, analytic profiles")

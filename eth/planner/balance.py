@@ -30,6 +30,7 @@ evaluation budget is spent.  The budget is set per stage group by
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
@@ -59,15 +60,14 @@ def resplit(ev: Evaluator, state: PipeState) -> PipeState:
 
 
 def _lcm(values) -> int:
-    from math import lcm
-    out = 1
-    for v in values:
-        out = lcm(out, v)
-    return out
+    return math.lcm(*values)
 
 
 def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, Evaluation] | None:
-    """Warm start for stage device group ``stages`` ((type, devices), ...); None if no tp fits."""
+    """Warm start for stage device group ``stages`` ((type, devices), ...).
+
+    None if a stage has no valid tp or no mbs = lcm(dp) x {1, 2, 4} divides ``batch``.
+    """
     model = ev.model
     L = model.num_layers
     share = L / len(stages)

@@ -57,3 +57,18 @@ def test_stage_that_cannot_fit_reports_overflow():
     c, ev = _setup(mem_r=2)
     cost, rec, over = ev.fit_stage(StageState("RTX3090", 2, 2, 3), (0, 3), 4, 0, 2, 8, None, None)
     assert over > 0 and not cost.fits and len(rec) == 13
+
+
+def test_adaptive_budgets_give_high_variance_groups_less_time():
+    from eth.planner.enumerate import StageGroup
+    from eth.planner.pipeline import adaptive_budgets
+    c, _ = _setup(mem_a=80, mem_r=24)
+    even = StageGroup((("A100", 2), ("A100", 2)))
+    mixed = StageGroup((("A100", 2), ("RTX3090", 2)))
+    skewed = StageGroup((("A100", 4), ("RTX3090", 1)))
+    single = StageGroup((("A100", 4),))
+    b = adaptive_budgets(c, [even, mixed, skewed, single], 100)
+    assert b[3] == 100                      # no peers with variance: base budget
+    assert b[0] == 400                      # zero variance among varied peers: the x4 cap
+    assert b[2] < b[1] <= b[0]              # more variance, less time (clipped at x4)
+    assert all(25 <= x <= 400 for x in b)
