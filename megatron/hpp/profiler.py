@@ -28,8 +28,11 @@ returns a profile dict in the format of ``eth.profiles`` ("source": "measured"):
   inputs when autograd saves them (e.g. a GEMM's input), outputs it saves (softmax),
   masks, indices and statistics (layernorm mean/rstd in fp32, cross-entropy target
   mask and indices), temporaries such as the causal mask.  Not counted: parameters
-  (they are weight_bytes).  A view shares its base's storage, so e.g. q/k/v views of
-  the fused qkv tensor count once, with the full qkv size.
+  (they are weight_bytes), and an input whose storage an earlier op of the micro-batch
+  already saved (it is held once, so it is counted once, in the first op that saves
+  it: the ops' sum is the memory a layer keeps).  A view shares its base's storage:
+  score saves q and k, views of the fused qkv output, so score counts the whole qkv
+  output and context (which saves v, another view of it) only the attention probs.
 * input_bytes / output_bytes: ``numel * element_size`` of the op's tensor arguments
   (token ids and labels included) and of its output.
 * reserved_bytes: CPU: ``eth.profiles.RESERVED_BYTES`` (an analytic default; the CPU
@@ -269,32 +272,46 @@ def _fresh(env: dict, names) -> list:
 # ----------------------------------------------------------------------------------
 # Measuring one op.
 
-def saved_activation_bytes(fn, args, params) -> tuple[float, torch.Tensor]:
-    """(bytes of the unique non-parameter storages saved for backward, output) of fn(*args)."""
+def saved_activation_bytes(fn, args, params, held=()) -> tuple[float, set, torch.Tensor]:
+    """(bytes of the unique non-parameter storages saved for backward, indices of the
+    args whose storage was saved, output) of fn(*args).  Storages of the args listed in
+    ``held`` (already counted by an earlier op) are not counted again."""
     skip = {p.untyped_storage().data_ptr() for p in params}
+    skip |= {args[i].untyped_storage().data_ptr() for i in held}
+    arg_of = {a.untyped_storage().data_ptr(): i for i, a in enumerate(args)}
     storages: dict[int, int] = {}
+    saved_args: set[int] = set()
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in skip and st.nbytes() > 0:
             storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+            if st.data_ptr() in arg_of:
+                saved_args.add(arg_of[st.data_ptr()])
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
-    return float(sum(storages.values())), out
+    return float(sum(storages.values())), saved_args, out
 
 
-def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: int) -> dict:
-    """{field: value} for OP_FIELDS plus "workspace_bytes" (CUDA) of one op."""
+def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: int,
+               held: set | None = None) -> dict:
+    """{field: value} for OP_FIELDS plus "workspace_bytes" (CUDA) of one op.
+
+    ``held``: names of the micro-batch's tensors whose storage an earlier op already
+    saved (not counted again; updated with the inputs this op saves)."""
     cuda = device.type == "cuda"
+    held = set() if held is None else held
     for p in op.params:
         p.grad = None
     args = _fresh(env, op.inputs)
     before = torch.cuda.memory_allocated(device) if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    act, out = saved_activation_bytes(op.fn, args, op.params)
+    act, saved, out = saved_activation_bytes(
+        op.fn, args, op.params, [i for i, n in enumerate(op.inputs) if n in held])
+    held.update(op.inputs[i] for i in saved)
     grad = torch.randn_like(out) if out.dim() else torch.ones_like(out)
     torch.autograd.backward(out, grad)
     weight = float(sum(_nbytes(p) for p in op.params if p.grad is not None))
@@ -347,9 +364,9 @@ def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, prog
             ops, stage, layer = build_ops(cfg.model, tp, device, dtype, cfg.seed)
             for mbs in cfg.mbs:
                 env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
-                rows, workspace = {}, 0.0
+                rows, workspace, held = {}, 0.0, set()
                 for op in ops:
-                    m = measure_op(op, env, device, cfg.repeats, cfg.warmup)
+                    m = measure_op(op, env, device, cfg.repeats, cfg.warmup, held)
                     rows[op.name] = [m[f] for f in OP_FIELDS]
                     workspace = max(workspace, m["workspace_bytes"])
                     if progress is not None:

@@ -12,7 +12,9 @@ qkv, attn-dense, mlp-gemm-1, mlp-gemm-2 (the GEMM input), gelu (its input), the 
   softmax      output + the s x s bool causal mask (constant in mbs; not in the formula);
   score        q and k are views of the fused qkv output, whose whole storage is held:
                3h/t wide instead of the formula's (h + kv)/t;
-  context      probs + the whole fused qkv (formula: probs + v only);
+  context      probs only: v is a view of that same qkv storage, already counted in
+               score (each storage is counted once per micro-batch, in the first op
+               that saves it), so score + context equals the formula's pair exactly;
   embedding    the int64 token ids (not scaled) + at tp > 1 the bool out-of-shard mask;
   head+loss    GEMM input (scaled) + fp32 softmax of the logits + cross entropy's bool
                target mask and int64 targets (9 bytes per token, not in the formula).
@@ -98,7 +100,7 @@ def expected_act(spec, mbs, tp, op):
     if op == "score":
         return qkv_out
     if op == "context":
-        return b * (spec.heads // tp) * s * s * E + qkv_out
+        return b * (spec.heads // tp) * s * s * E
     if op == "embedding":
         return formula + (b * s if tp > 1 else 0)
     if op == "head+loss":
@@ -110,9 +112,12 @@ def test_saved_activation_bytes_against_op_shapes(measured):
     for (mbs, tp), ops in entries(measured).items():
         for op in ALL_OPS:
             assert ops[op][3] == expected_act(TINY, mbs, tp, op), (op, mbs, tp)
-    one = entries(measured)[(2, 1)]
-    for op in ("qkv", "attn-dense", "mlp-gemm-1", "mlp-gemm-2", "gelu"):  # the formula, exactly
-        assert one[op][3] == op_shapes(TINY, 2, 1)[op].act_bytes * E // ACT_BYTES
+    for (mbs, tp), ops in entries(measured).items():
+        shapes = op_shapes(TINY, mbs, tp)
+        for op in ("qkv", "attn-dense", "mlp-gemm-1", "mlp-gemm-2", "gelu"):  # the formula, exactly
+            assert ops[op][3] == shapes[op].act_bytes * E // ACT_BYTES
+        pair = ops["score"][3] + ops["context"][3]  # qkv output counted once between the two
+        assert pair == (shapes["score"].act_bytes + shapes["context"].act_bytes) * E // ACT_BYTES
 
 
 def test_sizes_scale_linearly_with_mbs(measured):
@@ -238,3 +243,18 @@ def test_collectives_on_two_gloo_ranks(tmp_path):
     ms = collective_ms("all_reduce", 2, 1024, 1.0, prof)  # the table, not the 1 Gbit/s model
     assert ms == pytest.approx(colls["all_reduce"]["2"][0][1])
     assert prof.data["provenance"]["collectives"]["world_size"] == 2
+
+
+def test_device_type_warning_on_cpu(tmp_path, capsys):
+    import torch
+
+    from megatron.hpp.profiler import device_type_warning
+
+    cpu = torch.device("cpu")
+    assert device_type_warning("cpu", cpu) is None and device_type_warning("cpu-fast", cpu) is None
+    assert "filed as A100" in device_type_warning("A100", cpu)
+    if not torch.cuda.is_available():  # warn, do not fail
+        assert run(["--model", "tiny", "--device-type", "A100", "--mbs", "1", "--tp", "1",
+                    "-o", str(tmp_path / "a.json"), *FAST]) == 0
+        assert "warning: no CUDA device" in capsys.readouterr().err
+        assert load_profile(tmp_path / "a.json").device == "A100"
