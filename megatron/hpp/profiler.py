@@ -1,7 +1,9 @@
 """Measured op profiles: every op of ``eth.model.ALL_OPS`` timed and sized on this device.
 
-:func:`profile_model` runs, for each (mbs, tp) and op, the *runtime's own* op code and
-returns a profile dict in the format of ``eth.profiles`` ("source": "measured"):
+:func:`measure_entries` runs, for each (mbs, tp) and op, the *runtime's own* op code;
+:func:`profile_dict` wraps the entries into a profile in the format of
+``eth.profiles`` ("source": "measured"); :func:`merge_profiles` merges it into an
+existing measured file.  What is measured and how:
 
 * Op modules.  The 13 layer ops are the methods of :class:`megatron.hpp.model.Layer`
   (``Layer.OPS``: same boundaries, inputs and outputs as in training); ``embedding`` is
@@ -26,8 +28,8 @@ returns a profile dict in the format of ``eth.profiles`` ("source": "measured"):
   the *unique storages* (by data pointer) of every tensor packed for backward during
   the op's forward, each counted with its whole storage size.  Counted: the op's own
   inputs when autograd saves them (e.g. a GEMM's input), outputs it saves (softmax),
-  masks, indices and statistics (layernorm mean/rstd in fp32, cross-entropy target
-  mask and indices), temporaries such as the causal mask.  Not counted: parameters
+  masks, indices and statistics (layernorm mean/rstd: fp32 on CUDA, the activation
+  dtype on CPU; cross-entropy target mask and indices), temporaries such as the causal mask.  Not counted: parameters
   (they are weight_bytes), and an input whose storage an earlier op of the micro-batch
   already saved (it is held once, so it is counted once, in the first op that saves
   it: the ops' sum is the memory a layer keeps).  A view shares its base's storage:
@@ -39,7 +41,8 @@ returns a profile dict in the format of ``eth.profiles`` ("source": "measured"):
   allocator keeps no statistics).  CUDA: memory the CUDA context and libraries hold
   outside PyTorch's allocator (``mem_get_info`` used - ``memory_reserved``) plus the
   largest allocator workspace of any op (``max_memory_reserved`` during its forward +
-  backward minus ``memory_allocated`` before it).
+  backward, after ``empty_cache``, minus ``memory_allocated`` before it: the op's
+  transient working set, its own saved activations and gradients included).
 
 :func:`measure_collectives` (world size >= 2) times all_reduce, all_gather,
 reduce_scatter (group sizes 2..world, ranks 0..n-1) and p2p (ranks 0 and 1, half a
@@ -308,6 +311,7 @@ def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: i
     args = _fresh(env, op.inputs)
     before = torch.cuda.memory_allocated(device) if cuda else 0
     if cuda:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     act, saved, out = saved_activation_bytes(
         op.fn, args, op.params, [i for i, n in enumerate(op.inputs) if n in held])
@@ -403,7 +407,8 @@ def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
         "command": command,
         "op_modules": "megatron.hpp.model Layer / GPTStage at one tp rank's shard shapes "
                       "(fake tp group: tp collectives are not included)",
-        "act_bytes": "unique non-parameter storages packed by saved_tensors_hooks in the op's forward",
+        "act_bytes": "unique non-parameter storages packed by saved_tensors_hooks in the op's forward "
+                     "(a storage saved by several ops is counted once, in the first)",
         "reserved_bytes": ("CUDA context (mem_get_info used - memory_reserved) + largest op workspace "
                            "(max_memory_reserved - memory_allocated before the op)") if cuda else
                           f"eth.profiles.RESERVED_BYTES = {RESERVED_BYTES:g} (analytic default; not measured on CPU)",
