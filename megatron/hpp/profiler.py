@@ -539,6 +539,8 @@ def summary_table(cfg: ProfileConfig, entries: list[dict]) -> str:
     note = (f"fwd/an: measured / roofline for catalog {cfg.device_type}" if analytic
             else f"fwd/an: '{cfg.device_type}' is not in the device catalog")
     lines.append(f"{note}; act/an: measured / eth.model.op_shapes scaled to {cfg.dtype}")
+    lines.append("(the formula's token ids, layernorm stats and fp32 logits do not scale with the dtype; "
+                 "differences per op: docs/RUNTIME.md, 'Measured profiles')")
     return "\n".join(lines)
 
 
