@@ -14,7 +14,8 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
 
 Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
 
-    weights, grads, optimizer states = params on the device x bytes_per_param (16:
+    weights, grads, optimizer states = params on the device (profiled weight bytes /
+        the profile's dtype_bytes, 2 unless stated) x bytes_per_param (16:
         fp32 Adam with mixed precision 2+2+4+4+4, or pure fp32 4+4+4+4)
     + activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
         min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
@@ -202,7 +203,7 @@ class CostModel:
         bwd += send_b
         comm += send_f + send_b
 
-        params = weights / ACT_BYTES
+        params = weights / self.profiles.get(device_type).dtype_bytes
         inflight = num_stages - stage_index
         if num_microbatches is not None:
             inflight = max(1, min(inflight, num_microbatches))

@@ -93,6 +93,10 @@ class DeviceProfile:
         self.data = data
         self.device = data["device"]
         self.source = data["source"]
+        # bytes per parameter element in weight_bytes (2 unless the profile says otherwise)
+        self.dtype_bytes = float((data.get("provenance") or {}).get("dtype_bytes", 2))
+        if self.dtype_bytes <= 0:
+            raise ProfileError(f"{where}.provenance.dtype_bytes must be positive, got {self.dtype_bytes}")
         # shape -> {tp: sorted [(mbs, {op: OpCost}, reserved)]}
         self._table: dict[tuple, dict[int, list]] = {}
         self._names: dict[tuple, str] = {}

@@ -82,10 +82,6 @@ def main(argv=None) -> int:
     warning = profiler.device_type_warning(cfg.device_type, device)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    if cfg.dtype == "fp32":
-        print("note: fp32 profile: weight and activation bytes are 4 per element; the planner's "
-              "memory model assumes 2-byte parameters (profile the training dtype to plan)",
-              file=sys.stderr)
 
     from tqdm import tqdm
 

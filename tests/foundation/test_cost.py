@@ -118,3 +118,18 @@ def test_boundary_sends_use_the_link_to_each_neighbour(tiny, flat_db):
     assert c[1].send_fwd_ms == pytest.approx(send(1)) and c[1].send_bwd_ms == pytest.approx(send(100))
     assert (c[2].send_fwd_ms, c[2].send_bwd_ms) == (0.0, pytest.approx(send(1)))
     assert c[2].bwd_ms == pytest.approx(1 * 13 * 2 * 2 + 2 + 2 + send(1))
+
+
+def test_parameter_count_uses_the_profile_element_size(tiny, cpu_cluster):
+    from _foundation_data import flat_profile
+    from eth.profiles import DeviceProfile, ProfileDB
+    data = flat_profile()
+    for e in data["models"][0]["entries"]:               # an fp32 profile: 4 bytes per weight
+        for vals in e["ops"].values():
+            vals[2] *= 2
+    data["provenance"] = {"dtype_bytes": 4}
+    fp32 = CostModel(tiny, cpu_cluster, ProfileDB({"cpu": DeviceProfile(data)}))
+    half = CostModel(tiny, cpu_cluster, ProfileDB({"cpu": DeviceProfile(flat_profile())}))
+    a = fp32.stage_cost("cpu", 1, 1, (0, 4), 1)
+    b = half.stage_cost("cpu", 1, 1, (0, 4), 1)
+    assert a.params == b.params == 4 * 872 + 160 + 144
