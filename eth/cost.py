@@ -159,6 +159,8 @@ class CostModel:
         if hit is not None:
             return hit
         micro = mbs // dp
+        prof = self.profiles.get(device_type)
+        scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
         ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
         nl = end - start
         layer_ops = [ops[op] for op in LAYER_OPS]
@@ -181,19 +183,20 @@ class CostModel:
             parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
             for part, count in parts:
                 f_sizes, b_sizes = tp_allreduces(self.model, micro, part)
-                comm_f = count * sum(collective_ms("all_reduce", tp, b, link) for b in f_sizes)
-                comm_b = count * sum(collective_ms("all_reduce", tp, b, link) for b in b_sizes)
+                comm_f = count * sum(collective_ms("all_reduce", tp, b * scale, link) for b in f_sizes)
+                comm_b = count * sum(collective_ms("all_reduce", tp, b * scale, link) for b in b_sizes)
                 fwd += comm_f
                 bwd += comm_b
                 comm += comm_f + comm_b
             # recomputing a row-parallel GEMM repeats its forward all-reduce
             redo = recompute.get("attn-dense", 0) + recompute.get("mlp-gemm-2", 0)
             if redo:
-                per = collective_ms("all_reduce", tp, tp_allreduces(self.model, micro, "layer")[0][0], link)
+                per = collective_ms("all_reduce", tp, tp_allreduces(self.model, micro, "layer")[0][0] * scale,
+                                    link)
                 recompute_ms += redo * per
                 comm += redo * per
         bwd += recompute_ms
-        boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES
+        boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES * scale
         send_f = send_b = 0.0
         if not last:
             send_f = collective_ms("p2p", 2, boundary, self._p2p_link(device_type, ranks, next_ranks))
@@ -203,7 +206,7 @@ class CostModel:
         bwd += send_b
         comm += send_f + send_b
 
-        params = weights / self.profiles.get(device_type).dtype_bytes
+        params = weights / prof.dtype_bytes
         inflight = num_stages - stage_index
         if num_microbatches is not None:
             inflight = max(1, min(inflight, num_microbatches))

@@ -133,3 +133,6 @@ def test_parameter_count_uses_the_profile_element_size(tiny, cpu_cluster):
     a = fp32.stage_cost("cpu", 1, 1, (0, 4), 1)
     b = half.stage_cost("cpu", 1, 1, (0, 4), 1)
     assert a.params == b.params == 4 * 872 + 160 + 144
+    # activations travel in the profiled dtype too: 4-byte elements double the boundary send
+    send = fp32.stage_cost("cpu", 1, 1, (0, 2), 1, num_stages=2).send_fwd_ms
+    assert send == pytest.approx(128 / (10e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS)
