@@ -10,7 +10,9 @@ pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost wit
    AR_i^j from :meth:`eth.cost.CostModel.stage_allreduce_ms` (Eq. 6) on concrete ranks;
 3. for groups within ``refine_margin`` of the best: re-balance every pipeline with its
    Lbs (Eq. 1 with Lbs, :func:`eth.planner.pipeline.refine_pipeline`), re-allocate
-   (its Mbs may have changed), and keep the refined plan only if it is predicted faster.
+   (its Mbs may have changed), and keep the refined plan only if it is predicted faster;
+   then halve single pipelines' Mbs while re-allocation lowers Eq. 2
+   (:meth:`HPPSearch._finer_microbatches`: coarse Mbs make Lbs too coarse to balance).
 
 Every candidate plan is scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6,
 memory check); the best feasible plan with sum Lbs == Gbs wins.
@@ -29,7 +31,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from eth.cluster import Cluster
 from eth.cost import CostModel
@@ -209,7 +211,8 @@ class HPPSearch:
         got = self._allocate(results)
         if got is None:
             return None
-        cand = Candidate(got[0], got[1], results)
+        cand = self._finer_microbatches(Candidate(got[0], got[1], results))
+        results = cand.results
         if self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin):
             for _ in range(2):
                 lbs = [p.lbs for p in cand.plan.pipelines]
@@ -223,9 +226,43 @@ class HPPSearch:
                 if [r.state.mbs for r in refined] == [r.state.mbs for r in results]:
                     break
                 results = refined
+            cand = self._finer_microbatches(cand)
         if self.best is None or cand.iteration_ms < self.best.iteration_ms * (1 - 1e-12):
             self.best = cand
         return cand
+
+    def _finer_microbatches(self, cand: Candidate) -> Candidate:
+        """Phase 3b: halve Mbs (of one pipeline, or of all at once) while re-allocation
+        lowers Eq. 2.
+
+        Eq. 1 of a lone pipeline prefers large micro-batches, but Lbs_i must be a multiple
+        of Mbs_i, so coarse Mbs can leave the allocation unbalanced (e.g. three single-device
+        pipelines at Mbs 8 and Gbs 24 must all take 8 samples).
+        """
+        while True:
+            halved = [self._halved(r, p.lbs) for r, p in zip(cand.results, cand.plan.pipelines)]
+            moves = [[i] for i, h in enumerate(halved) if h is not None]
+            if len(moves) > 1:
+                moves.append([m[0] for m in moves])
+            best = None
+            for move in moves:
+                trial = list(cand.results)
+                for i in move:
+                    trial[i] = halved[i]
+                got = self._allocate(trial)
+                if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+                    best = Candidate(got[0], got[1], trial)
+            if best is None:
+                return cand
+            cand = best
+
+    def _halved(self, r: PipelineResult, lbs: int) -> PipelineResult | None:
+        half = r.state.mbs // 2
+        if r.state.mbs % 2 or any(half % st.dp for st in r.state.stages):
+            return None
+        state = replace(r.state, mbs=half)
+        e = self.ev.evaluate(state, lbs, r.ranks)
+        return PipelineResult(r.vec, lbs, r.group, state, e, r.ranks) if e.feasible else None
 
     # ------------------------------------------------------------------ driver
     def run(self) -> Plan:
