@@ -144,3 +144,59 @@ def allocate(lines, mbs, gbs: int, allow_overshoot: bool = False) -> Allocation 
     if allow_overshoot:
         return Allocation(tuple(lbs), end(lbs), False)
     return None
+
+
+def allocate_with_variants(options, gbs: int):
+    """Exact Eq. 2-4 when each pipeline may also pick its Mbs among variants.
+
+    ``options[i]`` lists ``(mbs, A, B)`` of pipeline i (same stages, different Mbs).
+    With f_i(n) = min over variants v with Mbs_v | n of A_v + B_v n / Mbs_v, minimise
+    max_i f_i(Lbs_i) subject to sum_i Lbs_i = Gbs: bisection over the candidate values T;
+    T is feasible if Gbs is a sum of one element of each {n : f_i(n) <= T} (subset sums by
+    convolution).  Returns (lbs, variant index per pipeline, max end) or None.
+    """
+    n = np.arange(gbs + 1)
+    tables = []
+    for opts in options:
+        best = np.full(gbs + 1, np.inf)
+        arg = np.full(gbs + 1, -1)
+        for k, (m, a, b) in enumerate(opts):
+            idx = n[m::m]
+            val = np.full(gbs + 1, np.inf)
+            val[idx] = a + b * idx / m
+            better = val < best
+            best[better] = val[better]
+            arg[better] = k
+        tables.append((best, arg))
+    finite = [b[np.isfinite(b)] for b, _ in tables]
+    if any(f.size == 0 for f in finite):
+        return None
+    values = np.unique(np.concatenate(finite))
+
+    def layers(t):
+        out = [np.zeros(gbs + 1, dtype=bool)]
+        out[0][0] = True
+        for best, _ in tables:
+            conv = np.convolve(out[-1].astype(np.int64), (best <= t).astype(np.int64))[:gbs + 1]
+            out.append(conv > 0)
+        return out
+
+    if not layers(values[-1])[-1][gbs]:
+        return None
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if layers(values[mid])[-1][gbs]:
+            hi = mid
+        else:
+            lo = mid + 1
+    t = values[lo]
+    reach = layers(t)
+    lbs, pick, r = [0] * len(tables), [0] * len(tables), gbs
+    for i in range(len(tables) - 1, -1, -1):
+        best, arg = tables[i]
+        for k in np.nonzero(best[:r + 1] <= t)[0]:
+            if reach[i][r - k]:
+                lbs[i], pick[i], r = int(k), int(arg[k]), r - int(k)
+                break
+    return tuple(lbs), tuple(pick), float(t)

@@ -54,6 +54,9 @@ class SearchOptions:
     refine_margin: float = 0.10
     """Phase 3 (refinement with Lbs) runs for device groups whose phase-2 iteration time
     is within this fraction of the best found so far."""
+    polish_top: int = 4
+    """At the end, the allocation of this many best device groups is re-solved exactly with
+    each pipeline's Mbs free among its halvings/doublings (0 = off)."""
     dp_window: int = 64
     """Device groups in the sliding window that measures the skip rate."""
     dp_skip_threshold: float = 0.5
@@ -77,8 +80,9 @@ class SearchOptions:
             raise SpecError(f"alpha must be >= 1, got {self.alpha}")
         if self.time_limit < 0:
             raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
-        if self.stage_groups_topk < 0:
-            raise SpecError(f"stage_groups_topk must be >= 0, got {self.stage_groups_topk}")
+        if self.stage_groups_topk < 0 or self.polish_top < 0:
+            raise SpecError(f"stage_groups_topk and polish_top must be >= 0, got "
+                            f"{self.stage_groups_topk}, {self.polish_top}")
         for name in ("max_blocks_per_type", "max_stages", "balance_budget", "dp_window"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -13,6 +13,9 @@ pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost wit
    (its Mbs may have changed), and keep the refined plan only if it is predicted faster;
    then halve single pipelines' Mbs while re-allocation lowers Eq. 2
    (:meth:`HPPSearch._finer_microbatches`: coarse Mbs make Lbs too coarse to balance).
+4. after the search, the ``polish_top`` best groups get an exact allocation in which each
+   pipeline's Mbs is free among halvings/doublings of its own
+   (:func:`eth.planner.allocate.allocate_with_variants`).
 
 Every candidate plan is scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6,
 memory check); the best feasible plan with sum Lbs == Gbs wins.
@@ -38,7 +41,7 @@ from eth.cost import CostModel
 from eth.errors import InfeasibleError
 from eth.model import ModelSpec
 from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.allocate import Allocation, allocate, pipeline_line
+from eth.planner.allocate import Allocation, allocate, allocate_with_variants, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
@@ -98,6 +101,7 @@ class HPPSearch:
         self._deadline = math.inf
         self._window: deque = deque(maxlen=options.dp_window)
         self._dp_done = False
+        self._top: list[Candidate] = []
 
     # ------------------------------------------------------------------ helpers
     def _devices(self, vec) -> dict[str, int]:
@@ -227,9 +231,52 @@ class HPPSearch:
                     break
                 results = refined
             cand = self._finer_microbatches(cand)
+        self._consider(cand)
+        return cand
+
+    def _consider(self, cand: Candidate) -> None:
         if self.best is None or cand.iteration_ms < self.best.iteration_ms * (1 - 1e-12):
             self.best = cand
-        return cand
+        if self.opt.polish_top:
+            key = tuple(r.vec for r in cand.results)
+            top = [c for c in self._top if tuple(r.vec for r in c.results) != key or
+                   c.iteration_ms <= cand.iteration_ms]
+            if all(tuple(r.vec for r in c.results) != key for c in top):
+                top.append(cand)
+            top.sort(key=lambda c: c.iteration_ms)
+            self._top = top[:self.opt.polish_top]
+
+    def _polish(self, cand: Candidate) -> None:
+        """Final step: exact allocation with free Mbs (:func:`allocate_with_variants`)."""
+        ar = self.cost.stage_allreduce_ms(cand.plan.pipelines)
+        options, variants = [], []
+        for r, a in zip(cand.results, ar):
+            base = math.lcm(*[st.dp for st in r.state.stages])
+            sizes, m = set(), r.state.mbs
+            while m >= base and m % base == 0:
+                sizes.add(m)
+                if m % 2:
+                    break
+                m //= 2
+            sizes |= {r.state.mbs * 2, r.state.mbs * 4}
+            opts, vs = [], []
+            for m in sorted(x for x in sizes if x <= self.opt.gbs):
+                state = replace(r.state, mbs=m)
+                e = self.ev.evaluate(state, self.opt.gbs, r.ranks)
+                if e.feasible:
+                    opts.append((m,) + pipeline_line(e.costs, m, a))
+                    vs.append(PipelineResult(r.vec, self.opt.gbs, r.group, state, e, r.ranks))
+            options.append(opts)
+            variants.append(vs)
+        got = allocate_with_variants(options, self.opt.gbs)
+        if got is None:
+            return
+        lbs, pick, _ = got
+        results = [vs[k] for vs, k in zip(variants, pick)]
+        plan = self.build_plan(results, list(lbs))
+        ev = self.cost.evaluate(plan)
+        if ev["feasible"] and ev["iteration_ms"] < self.best.iteration_ms * (1 - 1e-9):
+            self.best = Candidate(plan, ev["iteration_ms"], results)
 
     def _finer_microbatches(self, cand: Candidate) -> Candidate:
         """Phase 3b: halve Mbs (of one pipeline, or of all at once) while re-allocation
@@ -305,6 +352,8 @@ class HPPSearch:
                 self.stats.groups_not_visited += counts[p] - visited
         finally:
             bar.close()
+        for cand in list(self._top):
+            self._polish(cand)
         self.stats.cost_evaluations = self.ev.evaluations
         if self.best is None:
             raise InfeasibleError(self._infeasible_message(counts))

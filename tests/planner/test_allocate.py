@@ -100,3 +100,29 @@ def test_exact_allocation_is_optimal():
             assert sum(got) == gbs and all(n % m == 0 and n >= m for n, m in zip(got, mbs))
             end = max(a + b * n / m for (a, b), n, m in zip(lines, got, mbs))
             assert math.isclose(end, best)
+
+
+def test_allocation_with_mbs_variants_is_optimal():
+    import itertools
+
+    from eth.planner.allocate import allocate_with_variants
+    rng = random.Random(5)
+    for _ in range(120):
+        p, gbs = rng.randint(1, 3), rng.randint(3, 14)
+        opts = [[(m, rng.uniform(0, 10), rng.uniform(1, 5) * m ** 0.7) for m in rng.sample([1, 2, 3, 4], 2)]
+                for _ in range(p)]
+
+        def f(i, n):
+            vals = [a + b * n / m for m, a, b in opts[i] if n % m == 0]
+            return min(vals) if vals else math.inf
+
+        best = min((max(f(i, n) for i, n in enumerate(lbs))
+                    for lbs in itertools.product(range(1, gbs + 1), repeat=p) if sum(lbs) == gbs),
+                   default=math.inf)
+        got = allocate_with_variants(opts, gbs)
+        if best == math.inf:
+            assert got is None
+            continue
+        lbs, pick, end = got
+        assert sum(lbs) == gbs and math.isclose(end, best)
+        assert all(n % opts[i][k][0] == 0 for i, (n, k) in enumerate(zip(lbs, pick)))

@@ -24,6 +24,14 @@ CASES = {
     "4A": (M4, [{"type": "A100", "devices_per_node": 4}], {}, 16),
     "3A+2R": (M4, [{"type": "A100", "devices_per_node": 3}, {"type": "RTX3090", "devices_per_node": 2}], {}, 8),
     "small memory (tp + recompute)": (M6, A2R2, {"A100": {"memory_gb": 3}, "RTX3090": {"memory_gb": 2}}, 16),
+    "one device per node, uneven Lbs": (
+        ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=1024, vocab=1024),
+        [{"type": "A100", "devices_per_node": 1, "count": 2}, {"type": "RTX3090", "devices_per_node": 1}],
+        {}, 24),
+    "1A+2R gbs24": (
+        ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=1024, vocab=1024),
+        [{"type": "A100", "devices_per_node": 1}, {"type": "RTX3090", "devices_per_node": 1, "count": 2}],
+        {}, 24),
     "3 types": (M4, [{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 1},
                      {"type": "V100", "devices_per_node": 1}], {}, 8),
 }
@@ -31,7 +39,8 @@ CASES = {
 
 def setup(name):
     model, nodes, types, gbs = CASES[name]
-    cluster = make_cluster(nodes, device_types=types) if types else make_cluster(nodes)
+    extra = {"inter_node_gbps": 400} if "gbs24" in name or "uneven" in name else {}
+    cluster = make_cluster(nodes, device_types=types, **extra) if types else make_cluster(nodes, **extra)
     return model, cluster, profiles_for(model, cluster), gbs
 
 
@@ -51,7 +60,7 @@ def test_planner_within_2_percent_of_brute_force(name):
 SWITCHES = ("cache", "skip", "order", "dp")
 
 
-@pytest.mark.parametrize("name", ["2A+2R", "3A+2R", "3 types"])
+@pytest.mark.parametrize("name", ["2A+2R", "3A+2R", "3 types", "one device per node, uneven Lbs"])
 def test_optimisations_on_and_off_agree_within_1_percent(name):
     model, cluster, db, gbs = setup(name)
     times = {}
@@ -64,6 +73,13 @@ def test_optimisations_on_and_off_agree_within_1_percent(name):
     ref = times[(False,) * 4]
     for flags, t in times.items():
         assert abs(t / ref - 1) <= 0.01, (flags, t, ref)
+
+
+def test_uneven_local_batches_are_used():
+    model, cluster, db, gbs = setup("one device per node, uneven Lbs")
+    plan = search(model, cluster, db, SearchOptions(gbs=gbs))
+    lbs = [p.lbs for p in plan.pipelines]
+    assert len(lbs) == 3 and len(set(lbs)) > 1 and sum(lbs) == gbs
 
 
 def test_dp_path_gives_a_valid_plan_close_to_full_search():
