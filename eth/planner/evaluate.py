@@ -6,7 +6,16 @@ for a batch ``B`` (Gbs in phase 1, Lbs in phase 3) is Eq. 1 of the paper:
 
     min over {tp, dp, ro, l, Mbs} of  sum_j T_j + max_j T_j * (B / Mbs - 1)
 
-with T_j from :meth:`eth.cost.CostModel.stage_cost`.  The recompute set ``ro`` of a
+with T_j from :meth:`eth.cost.CostModel.stage_cost`, plus the pipeline's *own*
+data-parallel All-Reduce, i.e. Eq. 5 of the pipeline alone (:meth:`Evaluator.evaluate`):
+
+    ms = Eq. 1 + max_j ( AR_j - sum_{k<j} Tb_k ),   AR_j = Eq. 6 over stage j's dp replicas
+
+(0 when every dp is 1).  This is a deliberate extension of the paper's Eq. 1: without
+it the balancer prefers wide-dp stages across slow links whose gradient All-Reduce
+then dominates the iteration (found by the brute-force cross-check).  The group's real
+AR (more holders, slower links) is never smaller, so Gbs / ms stays a valid throughput
+upper bound for early skipping.  The recompute set ``ro`` of a
 stage is not searched but derived (:meth:`Evaluator.fit_stage`, paper section 6): if
 the stage does not fit in device memory, ops are recomputed in order of saved
 activation bytes per recompute millisecond (high-memory, low-cost first), each in all
@@ -20,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from eth.cost import CostModel, StageCost, eq1_pipeline_ms
+from eth.cost import CostModel, StageCost, eq1_pipeline_ms, eq6_allreduce_ms
 from eth.errors import SpecError
 from eth.model import LAYER_OPS
 
@@ -178,8 +187,32 @@ class Evaluator:
             costs.append(c)
             recs.append(rec)
             overflow += over
-        ms = eq1_pipeline_ms(costs, batch, state.mbs) if overflow == 0 else math.inf
-        return Evaluation(ms, overflow, tuple(costs), tuple(recs))
+        if overflow:
+            return Evaluation(math.inf, overflow, tuple(costs), tuple(recs))
+        ms = eq1_pipeline_ms(costs, batch, state.mbs)
+        extra, head_bwd = 0.0, 0.0
+        for j, (st, rng) in enumerate(zip(state.stages, state.layer_ranges())):
+            if st.dp > 1:
+                extra = max(extra, self.own_allreduce_ms(st, rng, ranks[j]) - head_bwd)
+            head_bwd += costs[j].bwd_ms
+        return Evaluation(ms + extra, overflow, tuple(costs), tuple(recs))
+
+    def own_allreduce_ms(self, st: StageState, layers: tuple[int, int], ranks) -> float:
+        """Eq. 6 for a stage's gradients over its own dp replicas (as CostModel does per block)."""
+        L = self.model.num_layers
+        key = ("ar", st, layers[0] == 0, layers[1] == L, tuple(ranks) if ranks else None)
+        hit = self._fit.get(key)
+        if hit is None:
+            m = self.model
+            params = st.layers * m.params_per_layer()
+            if layers[0] == 0:
+                params += m.vocab * m.hidden + m.seq_len * m.hidden
+            if layers[1] == L:
+                params += m.vocab * m.hidden + 2 * m.hidden
+            gbps = (self.cost.cluster.link_gbps(list(ranks)) if ranks else
+                    self.cost.cluster.intra_node_gbps or self.cost.cluster.types[st.device_type].link_gbps)
+            hit = self._fit[key] = eq6_allreduce_ms(params / st.tp * self.cost.grad_bytes, st.dp, gbps)
+        return hit
 
     def layer_ms(self, st: StageState, mbs: int) -> float:
         """Time of one middle layer of a stage (no boundary ops), for layer splitting."""

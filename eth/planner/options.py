@@ -54,9 +54,11 @@ class SearchOptions:
     refine_margin: float = 0.10
     """Phase 3 (refinement with Lbs) runs for device groups whose phase-2 iteration time
     is within this fraction of the best found so far."""
-    polish_top: int = 4
+    polish_top: int = 8
     """At the end, the allocation of this many best device groups is re-solved exactly with
     each pipeline's Mbs free among its halvings/doublings (0 = off)."""
+    polish_budget: int = 100
+    """Group evaluations the final polish may spend on each of the ``polish_top`` groups."""
     dp_window: int = 64
     """Device groups in the sliding window that measures the skip rate."""
     dp_skip_threshold: float = 0.5

@@ -20,13 +20,16 @@ evaluations (not seconds), so the search stays deterministic.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from eth.planner.balance import balance, initial_state
 from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState
+
+
+MAX_ALTERNATIVES = 8
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class PipelineResult:
     evaluation: Evaluation
     ranks: tuple[tuple[int, ...], ...]
     """Representative ranks used while balancing (the final plan re-assigns ranks)."""
+    alternatives: tuple = ()
+    """Balanced results of the pipeline's other stage groups (best first, at most
+    ``MAX_ALTERNATIVES``), tried by :func:`eth.planner.polish.polish` in the group context."""
 
     @property
     def feasible(self) -> bool:
@@ -94,12 +100,13 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     if not starts:
         return None
     starts.sort(key=lambda x: (x[0], x[1]))
-    best = None
-    for _, _, g, ranks, (state, e), budget in (starts[:topk] if topk else starts):
+    done = []
+    for i, (_, _, g, ranks, (state, e), budget) in enumerate(starts[:topk] if topk else starts):
         state, e, _ = balance(ev, state, batch, ranks, budget, e)
-        if best is None or e.key < best.evaluation.key:
-            best = PipelineResult(tuple(vec), batch, g, state, e, ranks)
-    return best
+        done.append((e.key, i, PipelineResult(tuple(vec), batch, g, state, e, ranks)))
+    done.sort(key=lambda x: (x[0], x[1]))
+    others = tuple(r for _, _, r in done[1:MAX_ALTERNATIVES + 1] if r.feasible)
+    return replace(done[0][2], alternatives=others)
 
 
 def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int) -> PipelineResult:

@@ -8,14 +8,16 @@ pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost wit
    (:func:`eth.planner.pipeline.optimise_pipeline`; cached by block vector with ``cache``);
 2. greedy local batch allocation (Eq. 2-5, :func:`eth.planner.allocate.allocate`) with
    AR_i^j from :meth:`eth.cost.CostModel.stage_allreduce_ms` (Eq. 6) on concrete ranks;
+   if the phase-1 Mbs admit no exact split, the exact allocation with free Mbs
+   (:func:`eth.planner.polish.variant_allocation`) is used instead;
 3. for groups within ``refine_margin`` of the best: re-balance every pipeline with its
    Lbs (Eq. 1 with Lbs, :func:`eth.planner.pipeline.refine_pipeline`), re-allocate
    (its Mbs may have changed), and keep the refined plan only if it is predicted faster;
    then halve single pipelines' Mbs while re-allocation lowers Eq. 2
-   (:meth:`HPPSearch._finer_microbatches`: coarse Mbs make Lbs too coarse to balance).
-4. after the search, the ``polish_top`` best groups get an exact allocation in which each
-   pipeline's Mbs is free among halvings/doublings of its own
-   (:func:`eth.planner.allocate.allocate_with_variants`).
+   (:func:`eth.planner.polish.finer_microbatches`: coarse Mbs make Lbs too coarse).
+4. after the search, the ``polish_top`` best groups are polished on the true objective
+   (:func:`eth.planner.polish.polish`: tp/dp and layer moves scored by Eq. 5 + Eq. 6
+   of the whole group, then an exact allocation with free Mbs).
 
 Every candidate plan is scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6,
 memory check); the best feasible plan with sum Lbs == Gbs wins.
@@ -34,14 +36,14 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from eth.cluster import Cluster
 from eth.cost import CostModel
 from eth.errors import InfeasibleError
 from eth.model import ModelSpec
 from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.allocate import Allocation, allocate, allocate_with_variants, pipeline_line
+from eth.planner.allocate import Allocation, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
@@ -49,6 +51,7 @@ from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, ma
 from eth.planner.evaluate import Evaluator
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
+from eth.planner.polish import Candidate, finer_microbatches, polish, variant_allocation
 from eth.profiles import ProfileDB
 
 
@@ -74,13 +77,6 @@ class SearchStats:
     time_limited: bool = False
     reasons: dict = field(default_factory=dict)
     """Why evaluated groups produced no plan: reason -> count."""
-
-
-@dataclass
-class Candidate:
-    plan: Plan
-    iteration_ms: float
-    results: list[PipelineResult]
 
 
 class HPPSearch:
@@ -124,17 +120,20 @@ class HPPSearch:
         return self.opt.gbs / self.best.iteration_ms if self.best else 0.0
 
     # ------------------------------------------------------------------ phase 1 / 3
-    def phase1(self, vec) -> PipelineResult | None:
-        key = (vec, self.opt.gbs)
+    def phase1(self, vec, batch: int | None = None) -> PipelineResult | None:
+        """Phase 1 (Eq. 1 with B = Gbs, or ``batch``) for one pipeline, through the cache."""
+        batch = batch or self.opt.gbs
+        key = (vec, batch)
         if self.opt.cache and key in self._cache:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.pipelines_optimised += 1
-        result = optimise_pipeline(self.ev, self.blocks, vec, self.opt.gbs, self.opt.balance_budget,
+        result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
                                    self.opt.stage_groups_topk, self.opt.max_stages)
         if self.opt.cache:
             self._cache[key] = result
-        self._known[vec] = result.throughput if result is not None else 0.0
+        if batch == self.opt.gbs:
+            self._known[vec] = result.throughput if result is not None else 0.0
         return result
 
     def phase3(self, result: PipelineResult, lbs: int) -> PipelineResult:
@@ -214,8 +213,13 @@ class HPPSearch:
             results.append(r)
         got = self._allocate(results)
         if got is None:
-            return None
-        cand = self._finer_microbatches(Candidate(got[0], got[1], results))
+            # the phase-1 Mbs admit no exact split (e.g. sum of Mbs > Gbs): free the Mbs
+            cand = variant_allocation(self, results)
+            if cand is None:
+                return None
+        else:
+            cand = Candidate(got[0], got[1], results)
+        cand = finer_microbatches(self, cand)
         results = cand.results
         if self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin):
             for _ in range(2):
@@ -230,7 +234,7 @@ class HPPSearch:
                 if [r.state.mbs for r in refined] == [r.state.mbs for r in results]:
                     break
                 results = refined
-            cand = self._finer_microbatches(cand)
+            cand = finer_microbatches(self, cand)
         self._consider(cand)
         return cand
 
@@ -245,71 +249,6 @@ class HPPSearch:
                 top.append(cand)
             top.sort(key=lambda c: c.iteration_ms)
             self._top = top[:self.opt.polish_top]
-
-    def _polish(self, cand: Candidate) -> None:
-        """Final step: exact allocation with free Mbs (:func:`allocate_with_variants`)."""
-        ar = self.cost.stage_allreduce_ms(cand.plan.pipelines)
-        options, variants = [], []
-        for r, a in zip(cand.results, ar):
-            base = math.lcm(*[st.dp for st in r.state.stages])
-            sizes, m = set(), r.state.mbs
-            while m >= base and m % base == 0:
-                sizes.add(m)
-                if m % 2:
-                    break
-                m //= 2
-            sizes |= {r.state.mbs * 2, r.state.mbs * 4}
-            opts, vs = [], []
-            for m in sorted(x for x in sizes if x <= self.opt.gbs):
-                state = replace(r.state, mbs=m)
-                e = self.ev.evaluate(state, self.opt.gbs, r.ranks)
-                if e.feasible:
-                    opts.append((m,) + pipeline_line(e.costs, m, a))
-                    vs.append(PipelineResult(r.vec, self.opt.gbs, r.group, state, e, r.ranks))
-            options.append(opts)
-            variants.append(vs)
-        got = allocate_with_variants(options, self.opt.gbs)
-        if got is None:
-            return
-        lbs, pick, _ = got
-        results = [vs[k] for vs, k in zip(variants, pick)]
-        plan = self.build_plan(results, list(lbs))
-        ev = self.cost.evaluate(plan)
-        if ev["feasible"] and ev["iteration_ms"] < self.best.iteration_ms * (1 - 1e-9):
-            self.best = Candidate(plan, ev["iteration_ms"], results)
-
-    def _finer_microbatches(self, cand: Candidate) -> Candidate:
-        """Phase 3b: halve Mbs (of one pipeline, or of all at once) while re-allocation
-        lowers Eq. 2.
-
-        Eq. 1 of a lone pipeline prefers large micro-batches, but Lbs_i must be a multiple
-        of Mbs_i, so coarse Mbs can leave the allocation unbalanced (e.g. three single-device
-        pipelines at Mbs 8 and Gbs 24 must all take 8 samples).
-        """
-        while True:
-            halved = [self._halved(r, p.lbs) for r, p in zip(cand.results, cand.plan.pipelines)]
-            moves = [[i] for i, h in enumerate(halved) if h is not None]
-            if len(moves) > 1:
-                moves.append([m[0] for m in moves])
-            best = None
-            for move in moves:
-                trial = list(cand.results)
-                for i in move:
-                    trial[i] = halved[i]
-                got = self._allocate(trial)
-                if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
-                    best = Candidate(got[0], got[1], trial)
-            if best is None:
-                return cand
-            cand = best
-
-    def _halved(self, r: PipelineResult, lbs: int) -> PipelineResult | None:
-        half = r.state.mbs // 2
-        if r.state.mbs % 2 or any(half % st.dp for st in r.state.stages):
-            return None
-        state = replace(r.state, mbs=half)
-        e = self.ev.evaluate(state, lbs, r.ranks)
-        return PipelineResult(r.vec, lbs, r.group, state, e, r.ranks) if e.feasible else None
 
     # ------------------------------------------------------------------ driver
     def run(self) -> Plan:
@@ -353,7 +292,9 @@ class HPPSearch:
         finally:
             bar.close()
         for cand in list(self._top):
-            self._polish(cand)
+            better = polish(self, cand, self.opt.polish_budget)
+            if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
+                self.best = better
         self.stats.cost_evaluations = self.ev.evaluations
         if self.best is None:
             raise InfeasibleError(self._infeasible_message(counts))

@@ -187,3 +187,27 @@ def test_summary_lists_every_stage():
     assert "predicted iteration" in text
     assert any(st.recompute for p in plan.pipelines for st in p.stages)  # memory forced recompute
     assert "None" not in rows[0] or not plan.pipelines[0].stages[0].recompute
+
+
+def test_random_small_clusters_within_2_percent_of_brute_force():
+    import random
+    rng = random.Random(2)
+    m2 = ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=1024, vocab=1024)
+    m3 = ModelSpec("m3", num_layers=3, hidden=2048, heads=16, seq_len=512, vocab=4096)
+    checked = 0
+    while checked < 8:
+        types = rng.sample(["A100", "RTX3090", "V100", "910B4"], rng.randint(1, 2))
+        nodes = [{"type": t, "devices_per_node": rng.choice([1, 2]), "count": rng.choice([1, 2])} for t in types]
+        if sum(n["devices_per_node"] * n["count"] for n in nodes) > 4:
+            continue
+        model, gbs = rng.choice([M4, m2, m3]), rng.choice([8, 12, 16, 24])
+        cluster = make_cluster(nodes, inter_node_gbps=rng.choice([25, 100, 400]))
+        db = profiles_for(model, cluster)
+        plan = search(model, cluster, db, SearchOptions(gbs=gbs))
+        got = CostModel(model, cluster, db).evaluate(plan)["iteration_ms"]
+        try:
+            best, _ = brute_force(model, cluster, db, gbs, limit=60_000)
+        except ValueError:
+            continue
+        assert got <= best * 1.02, (nodes, model.name, gbs, got, best)
+        checked += 1

@@ -1,0 +1,167 @@
+"""Group-level steps after phase 2: finer micro-batches, free-Mbs allocation, polishing.
+
+Phases 1 and 3 optimise each pipeline alone (Eq. 1 plus its own All-Reduce).  Three
+couplings are invisible there and are handled on the whole device group, scored by the
+allocation (Eq. 2-5) and :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6):
+
+* :func:`finer_microbatches` -- Lbs_i must be a multiple of Mbs_i, so the large Mbs that a
+  lone pipeline prefers can leave the allocation coarse; halve one pipeline's Mbs (or
+  all at once) while the re-allocated Eq. 2 improves.
+* :func:`variant_allocation` -- exact Eq. 2-4 in which each pipeline's Mbs is free among
+  halvings/doublings of its own (:func:`eth.planner.allocate.allocate_with_variants`);
+  used when the phase-1 Mbs admit no exact split, and at the end.
+* :func:`polish` -- for the best few groups: each pipeline is re-planned over all its
+  stage device groups for its own Lbs (phase 1 with B = Lbs) and the best configuration of
+  each of its other stage groups is tried in the group context; then steepest descent over single moves of one
+  pipeline (Mbs x2 / 2; tp x2 / 2 of one stage, also together with Mbs / 2; one layer
+  between adjacent stages), each scored by
+  the whole group's re-allocated Eq. 2, because the block-wise All-Reduce (Eq. 6) of a
+  layer depends on the dp degrees and links of *every* pipeline's stage holding it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from eth.plan import Plan
+from eth.planner.allocate import allocate_with_variants, pipeline_line
+from eth.planner.pipeline import PipelineResult
+
+
+@dataclass
+class Candidate:
+    """A fully allocated device group: plan, predicted iteration time, per-pipeline configs."""
+
+    plan: Plan
+    iteration_ms: float
+    results: list[PipelineResult]
+
+
+def _halved(search, r: PipelineResult, lbs: int) -> PipelineResult | None:
+    half = r.state.mbs // 2
+    if r.state.mbs % 2 or any(half % st.dp for st in r.state.stages):
+        return None
+    state = replace(r.state, mbs=half)
+    e = search.ev.evaluate(state, lbs, r.ranks)
+    return PipelineResult(r.vec, lbs, r.group, state, e, r.ranks) if e.feasible else None
+
+
+def finer_microbatches(search, cand: Candidate) -> Candidate:
+    """Halve Mbs (of one pipeline, or of all at once) while re-allocation lowers Eq. 2."""
+    while True:
+        halved = [_halved(search, r, p.lbs) for r, p in zip(cand.results, cand.plan.pipelines)]
+        moves = [[i] for i, h in enumerate(halved) if h is not None]
+        if len(moves) > 1:
+            moves.append([m[0] for m in moves])
+        best = None
+        for move in moves:
+            trial = list(cand.results)
+            for i in move:
+                trial[i] = halved[i]
+            got = search._allocate(trial)
+            if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+                best = Candidate(got[0], got[1], trial)
+        if best is None:
+            return cand
+        cand = best
+
+
+def variant_allocation(search, results: list[PipelineResult]) -> Candidate | None:
+    """Exact Eq. 2-4 with each pipeline's Mbs free among halvings/doublings of its own."""
+    gbs = search.opt.gbs
+    ar = search.cost.stage_allreduce_ms(search.build_plan(results, [r.state.mbs for r in results]).pipelines)
+    options, variants = [], []
+    for r, a in zip(results, ar):
+        base = math.lcm(*[st.dp for st in r.state.stages])
+        sizes, m = set(), r.state.mbs
+        while m >= base and m % base == 0:
+            sizes.add(m)
+            if m % 2:
+                break
+            m //= 2
+        sizes |= {r.state.mbs * 2, r.state.mbs * 4}
+        opts, vs = [], []
+        for m in sorted(x for x in sizes if x <= gbs):
+            state = replace(r.state, mbs=m)
+            e = search.ev.evaluate(state, gbs, r.ranks)
+            if e.feasible:
+                opts.append((m,) + pipeline_line(e.costs, m, a))
+                vs.append(PipelineResult(r.vec, gbs, r.group, state, e, r.ranks))
+        options.append(opts)
+        variants.append(vs)
+    got = allocate_with_variants(options, gbs)
+    if got is None:
+        return None
+    lbs, pick, _ = got
+    chosen = [vs[k] for vs, k in zip(variants, pick)]
+    plan = search.build_plan(chosen, list(lbs))
+    ev = search.cost.evaluate(plan)
+    if not ev["feasible"]:
+        return None
+    return Candidate(plan, ev["iteration_ms"], chosen)
+
+
+def _moves(search, r: PipelineResult):
+    """Mbs x2 / 2, single-stage tp/dp exchanges (also with Mbs / 2) and single-layer moves."""
+    stages = list(r.state.stages)
+    mbs = r.state.mbs
+    yield replace(r.state, mbs=mbs * 2)
+    if mbs % 2 == 0 and all((mbs // 2) % st.dp == 0 for st in stages):
+        yield replace(r.state, mbs=mbs // 2)
+    for j, st in enumerate(stages):
+        for tp in (st.tp * 2, st.tp // 2):
+            if tp in search.ev.valid_tps(st.device_type, st.ndev) and mbs % (st.ndev // tp) == 0:
+                new = list(stages)
+                new[j] = replace(st, tp=tp)
+                yield replace(r.state, stages=tuple(new))
+                if tp > st.tp and mbs % 2 == 0 and all((mbs // 2) % s.dp == 0 for s in new):
+                    yield replace(r.state, stages=tuple(new), mbs=mbs // 2)
+        if j + 1 < len(stages):
+            for src, dst in ((j, j + 1), (j + 1, j)):
+                if stages[src].layers > 1:
+                    new = list(stages)
+                    new[src] = replace(stages[src], layers=stages[src].layers - 1)
+                    new[dst] = replace(stages[dst], layers=stages[dst].layers + 1)
+                    yield replace(r.state, stages=tuple(new))
+
+
+def polish(search, cand: Candidate, budget: int) -> Candidate:
+    """Re-plan each pipeline for its Lbs (all stage groups), steepest descent on the whole
+    group's Eq. 2 over :func:`_moves`, then free-Mbs allocation."""
+    for i, p in enumerate(list(cand.plan.pipelines)):
+        r = search.phase1(cand.results[i].vec, batch=p.lbs)
+        if r is None or not r.feasible:
+            continue
+        choices = [r, *r.alternatives, *cand.results[i].alternatives]
+        best = None
+        for choice in choices:
+            trial = list(cand.results)
+            trial[i] = choice
+            got = search._allocate(trial) or (None, None)
+            alt = variant_allocation(search, trial) if got[0] is None else Candidate(got[0], got[1], trial)
+            if alt is not None and alt.iteration_ms < (best or cand).iteration_ms * (1 - 1e-9):
+                best = alt
+        cand = best or cand
+    spent = 0
+    while spent < budget:
+        best = None
+        for i, (r, p) in enumerate(zip(cand.results, cand.plan.pipelines)):
+            for state in _moves(search, r):
+                if spent >= budget:
+                    break
+                e = search.ev.evaluate(state, p.lbs, r.ranks)
+                if not e.feasible:
+                    continue
+                spent += 1
+                trial = list(cand.results)
+                trial[i] = PipelineResult(r.vec, p.lbs, r.group, state, e, r.ranks)
+                got = search._allocate(trial)
+                if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+                    best = Candidate(got[0], got[1], trial)
+        if best is None:
+            break
+        cand = best
+    final = variant_allocation(search, cand.results)
+    if final is not None and final.iteration_ms < cand.iteration_ms:
+        cand = final
+    return cand
