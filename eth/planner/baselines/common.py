@@ -1,0 +1,146 @@
+"""Shared pieces of the baseline planners: options, time limit, plan building.
+
+Every baseline scores candidates with the same :class:`eth.cost.CostModel` as the HPP
+search (Eq. 5 + Eq. 6 and the per-device memory check) and emits the same
+:class:`eth.plan.Plan`, annotated by :meth:`CostModel.annotate`, validated, with
+``plan.search = {"strategy", "time_s", "candidates", "time_limited", ...}``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+from eth.cost import CostModel
+from eth.errors import InfeasibleError, SpecError
+from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.evaluate import PipeState
+
+BASELINES = ("uniform", "metis", "hexiscale", "typesplit")
+"""Baseline strategies implemented by :func:`eth.planner.baselines.plan_baseline`."""
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Knobs shared by the baseline planners (a subset of SearchOptions' names)."""
+
+    time_limit: float = 0.0
+    """Wall-clock limit in seconds (0 = none); the best plan found so far is returned and
+    plan.search["time_limited"] is true."""
+    max_stages: int = 16
+    """Largest number of stages of one pipeline (uniform: also bounded by the layers)."""
+    max_blocks_per_type: int = 8
+    """Granularity of the HPP enumeration reused by metis and typesplit (see
+    eth.planner.enumerate.make_blocks)."""
+    balance_budget: int = 150
+    """Cost evaluations of the HPP stage balancer per stage device group (metis,
+    typesplit), scaled by the adaptive rule of section 6."""
+    max_micro: int = 64
+    """uniform / hexiscale: largest per-replica micro-batch (mbs / dp) tried."""
+    progress: bool = False
+    """Show a tqdm progress bar on stderr."""
+
+    def __post_init__(self):
+        if self.time_limit < 0:
+            raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
+        for name in ("max_stages", "max_blocks_per_type", "balance_budget", "max_micro"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_any(cls, options) -> "BaselineOptions":
+        """From None, a BaselineOptions, or any object with some of these field names
+        (e.g. eth.planner.options.SearchOptions)."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        names = cls.__dataclass_fields__
+        return cls(**{n: getattr(options, n) for n in names if hasattr(options, n)})
+
+
+@dataclass
+class Clock:
+    """Deadline of one search; ``out()`` records that the limit was hit."""
+
+    limit: float
+    start: float = field(default_factory=time.perf_counter)
+    hit: bool = False
+
+    def out(self) -> bool:
+        if self.limit and time.perf_counter() - self.start > self.limit:
+            self.hit = True
+        return self.hit
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@dataclass
+class Best:
+    """Best feasible plan seen so far (by the cost model's iteration time)."""
+
+    plan: Plan | None = None
+    iteration_ms: float = math.inf
+    evaluated: int = 0
+    """Candidate plans scored with CostModel.evaluate."""
+
+    def offer(self, cost: CostModel, plan: Plan) -> float:
+        """Score ``plan``; keep it if feasible and faster.  Returns its time (inf if infeasible)."""
+        self.evaluated += 1
+        out = cost.evaluate(plan)
+        if not out["feasible"]:
+            return math.inf
+        if out["iteration_ms"] < self.iteration_ms * (1 - 1e-12):
+            self.plan, self.iteration_ms = plan, out["iteration_ms"]
+        return out["iteration_ms"]
+
+
+def type_ranks(cluster) -> dict[str, list[int]]:
+    """Global ranks of every device type, cluster order (types in order of appearance)."""
+    out: dict[str, list[int]] = {}
+    for d in cluster.devices:
+        out.setdefault(d.type, []).append(d.rank)
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, m = [], 1
+    while m <= limit:
+        out.append(m)
+        m *= 2
+    return out
+
+
+def pipeline_plan(state: PipeState, recompute, ranks, lbs: int) -> PipelinePlan:
+    """PipelinePlan of ``state`` with recompute pairs per stage and concrete ranks."""
+    stages = [StagePlan(list(r), st.device_type, st.tp, st.dp, rng, dict(rec))
+              for st, rng, rec, r in zip(state.stages, state.layer_ranges(), recompute, ranks)]
+    return PipelinePlan(state.mbs, lbs, stages)
+
+
+def finish(strategy: str, best: Best, cost: CostModel, clock: Clock, options: BaselineOptions,
+           why: str, **extra) -> Plan:
+    """Annotate, record search metadata, validate; InfeasibleError if nothing was found."""
+    if best.plan is None:
+        limited = " (time limit reached)" if clock.hit else ""
+        raise InfeasibleError(f"{strategy}: no feasible plan for model {cost.model.name} on "
+                              f"{cost.cluster.world_size} devices{limited}: {why}")
+    plan = best.plan
+    cost.annotate(plan)
+    plan.search = {"strategy": strategy, "time_s": round(clock.elapsed(), 3),
+                   "options": asdict(options), "candidates": {"evaluated": best.evaluated},
+                   "time_limited": clock.hit, **extra}
+    return plan.validate()
+
+
+def progress_bar(total: int, enabled: bool, desc: str):
+    import sys
+
+    from tqdm import tqdm
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, desc=desc, leave=False,
+                dynamic_ncols=True)
