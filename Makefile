@@ -17,10 +17,10 @@ $(VENV)/.installed: setup.py
 	$(BIN)/python -m pip install -q -e '.[runtime,test]'
 	touch $@
 
-# Main job: plan a tiny GPT for an emulated 2x A100 + 2x RTX3090 cluster, then train it
+# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster, then train it
 # with 4 CPU processes (gloo) following that plan.
 run: install
-	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-a100-3090.yaml \
+	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
 	    --gbs 16 -o $(OUT)/plan.json
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 --master-port 29531 pretrain_gpt.py \
 	    --hpp-plan $(OUT)/plan.json --train-iters 20 --log-interval 1

@@ -1,6 +1,6 @@
 """Train a GPT with an HPP plan (Megatron-style entry point).
 
-    torchrun --nproc-per-node 4 pretrain_gpt.py --hpp-plan examples/plans/cpu-a100-3090.json \
+    torchrun --nproc-per-node 4 pretrain_gpt.py --hpp-plan examples/plans/cpu-demo.json \
         --train-iters 20
 
 Uses NCCL + CUDA when available, else gloo + CPU (see docs/RUNTIME.md).
