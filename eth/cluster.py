@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from eth.errors import SpecError
+from eth.fileio import read_yaml
 
 CLUSTER_VERSION = 1
 
@@ -214,12 +215,7 @@ class Cluster:
 def load_cluster(path) -> Cluster:
     """Read and validate a cluster YAML file."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"cluster file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"cluster file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = read_yaml(path, "cluster")
     cluster = Cluster.from_dict(data, where=f"cluster {path.name}")
     if cluster.name == "cluster":
         cluster.name = path.stem

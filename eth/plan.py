@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from eth.cluster import Cluster
 from eth.errors import PlanError, SpecError
+from eth.fileio import atomic_write_text, read_json
 from eth.model import LAYER_OPS, ModelSpec
 
 PLAN_VERSION = 1
@@ -214,34 +212,7 @@ class Plan:
 
 def load_plan(path) -> Plan:
     """Read, parse and validate a plan JSON file."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"plan file {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
-    return Plan.from_dict(data).validate()
-
-
-def atomic_write_text(path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    return Plan.from_dict(read_json(path, "plan", PlanError)).validate()
 
 
 def _require(obj, keys, where):

@@ -41,7 +41,7 @@ from pathlib import Path
 from eth.cluster import DeviceType
 from eth.errors import ProfileError
 from eth.model import ALL_OPS, ModelSpec, op_shapes
-from eth.plan import atomic_write_text
+from eth.fileio import atomic_write_text, read_json
 
 PROFILE_VERSION = 1
 OP_FIELDS = ("fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes", "output_bytes")
@@ -237,14 +237,7 @@ class ProfileDB:
 
 
 def load_profile(path) -> DeviceProfile:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"profile file {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile file {path} is not valid JSON: {exc}") from None
-    return DeviceProfile(data, where=path.name)
+    return DeviceProfile(read_json(path, "profile", ProfileError), where=Path(path).name)
 
 
 def save_profile(data: dict, path) -> None:
