@@ -40,8 +40,8 @@ from pathlib import Path
 
 from eth.cluster import DeviceType
 from eth.errors import ProfileError
-from eth.model import ALL_OPS, ModelSpec, op_shapes
 from eth.fileio import atomic_write_text, read_json
+from eth.model import ALL_OPS, ModelSpec, op_shapes
 
 PROFILE_VERSION = 1
 OP_FIELDS = ("fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes", "output_bytes")
