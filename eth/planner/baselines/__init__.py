@@ -1,0 +1,41 @@
+"""Baseline planners in the HPP cost model (paper section 7): one entry point.
+
+    plan = plan_baseline("metis", model, cluster, profiles, gbs=1024, options=None)
+
+| strategy | what it may choose | module |
+|---|---|---|
+| ``uniform``   | Megatron-LM: one pipeline, identical stages (tp, dp), even layer split | :mod:`.uniform` |
+| ``metis``     | one pipeline, per-stage tp/dp, uneven layers (HPP balancer, Lbs = Gbs) | :mod:`.metis` |
+| ``hexiscale`` | k identical pipelines, dp = 1 per stage, uneven layers, Lbs = Gbs / k | :mod:`.hexiscale` |
+| ``typesplit`` | homogeneous pipelines per device type, HPP phases 1-3 | :mod:`.typesplit` |
+
+All use the same profiles and :class:`eth.cost.CostModel` as the HPP search, return a
+validated :class:`eth.plan.Plan` with predictions (:meth:`CostModel.annotate`) and
+``plan.search["strategy"]``, and raise :class:`eth.errors.InfeasibleError` when nothing
+fits.  ``options`` may be a :class:`BaselineOptions`, None, or any object with some of
+its field names (an :class:`eth.planner.options.SearchOptions` works).
+"""
+from __future__ import annotations
+
+from eth.errors import SpecError
+from eth.plan import Plan
+from eth.planner.baselines.common import BASELINES, BaselineOptions
+
+
+def plan_baseline(strategy: str, model, cluster, profiles, gbs: int, options=None) -> Plan:
+    """Run baseline ``strategy`` (one of :data:`BASELINES`) and return its plan."""
+    from eth.planner.baselines.hexiscale import plan_hexiscale
+    from eth.planner.baselines.metis import plan_metis
+    from eth.planner.baselines.typesplit import plan_typesplit
+    from eth.planner.baselines.uniform import plan_uniform
+
+    planners = {"uniform": plan_uniform, "metis": plan_metis, "hexiscale": plan_hexiscale,
+                "typesplit": plan_typesplit}
+    if strategy not in planners:
+        raise SpecError(f"unknown baseline strategy {strategy!r}; known: {', '.join(BASELINES)}")
+    if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0:
+        raise SpecError(f"gbs must be a positive integer, got {gbs!r}")
+    return planners[strategy](model, cluster, profiles, gbs, BaselineOptions.from_any(options))
+
+
+__all__ = ["BASELINES", "BaselineOptions", "plan_baseline"]

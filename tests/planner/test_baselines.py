@@ -1,0 +1,264 @@
+"""Baseline planners (uniform, metis, hexiscale, typesplit) against brute force over
+their own restricted spaces, against the HPP search, and on infeasible inputs."""
+import itertools
+import math
+
+import pytest
+
+from eth.cost import CostModel
+from eth.errors import InfeasibleError, PlanError, ProfileError, SpecError
+from eth.model import LAYER_OPS, ModelSpec, get_model
+from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.baselines import BASELINES, plan_baseline
+from eth.planner.bruteforce import compositions, lbs_vectors, pipeline_configs
+from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
+from eth.planner.evaluate import Evaluator, PipeState, StageState
+from eth.planner.options import SearchOptions
+from eth.planner.search import search
+
+from conftest import A2R2, M4, M6, make_cluster, profiles_for
+
+A4R4 = [{"type": "A100", "devices_per_node": 4}, {"type": "RTX3090", "devices_per_node": 4}]
+SMALL_MEM = {"A100": {"memory_gb": 3}, "RTX3090": {"memory_gb": 2}}
+CASES = {
+    "2A+2R gbs16": (M4, A2R2, {}, 16),
+    "2A+2R gbs12": (M4, A2R2, {}, 12),
+    "4A+4R gbs4": (M4, A4R4, {}, 4),
+    "small memory (tp + recompute)": (M6, A2R2, SMALL_MEM, 16),
+    "2x(1A+1R) nodes": (M4, [{"type": "A100", "devices_per_node": 1, "count": 2},
+                             {"type": "RTX3090", "devices_per_node": 1, "count": 2}], {}, 16),
+}
+MODES = ((), ("score", "softmax", "attn-dropout", "context"), LAYER_OPS)
+
+
+def setup(name):
+    model, nodes, types, gbs = CASES[name]
+    cluster = make_cluster(nodes, device_types=types) if types else make_cluster(nodes)
+    return model, cluster, profiles_for(model, cluster), gbs
+
+
+def score(cost, plan):
+    """Iteration ms of a plan, inf if it is invalid or does not fit."""
+    try:
+        plan.validate()
+        out = cost.evaluate(plan)
+    except (PlanError, ProfileError, SpecError):
+        return math.inf
+    return out["iteration_ms"] if out["feasible"] else math.inf
+
+
+def per_type_ranks(cluster):
+    out = {}
+    for d in cluster.devices:
+        out.setdefault(d.type, []).append(d.rank)
+    return out
+
+
+# ---------------------------------------------------------------- brute forces
+def brute_uniform(model, cluster, db, gbs):
+    """Every stage size, tp, type order, mbs = dp x 2^k and uniform recompute mode."""
+    cost, ranks, N, L = CostModel(model, cluster, db), per_type_ranks(cluster), cluster.world_size, model.num_layers
+    per_node = min(g.devices_per_node for g in cluster.nodes)
+    best = math.inf
+    for s in range(1, N + 1):
+        if any(len(r) % s for r in ranks.values()) or N // s > L:
+            continue
+        pp = N // s
+        split = [L // pp + (1 if i < L % pp else 0) for i in range(pp)]
+        for tp in range(1, min(s, per_node) + 1):
+            if s % tp:
+                continue
+            for order in itertools.permutations(ranks):
+                for mbs, ops in itertools.product(range(1, gbs + 1), MODES):
+                    dp = s // tp
+                    if mbs % dp or (mbs // dp) & (mbs // dp - 1):
+                        continue                # per-replica micro-batch: a power of two
+                    stages, start = [], 0
+                    chunks = [(t, ranks[t][i:i + s]) for t in order for i in range(0, len(ranks[t]), s)]
+                    for (t, rk), n in zip(chunks, split):
+                        stages.append(StagePlan(rk, t, tp, s // tp, (start, start + n), {op: n for op in ops}))
+                        start += n
+                    best = min(best, score(cost, Plan(model, cluster, gbs, [PipelinePlan(mbs, gbs, stages)])))
+    return best
+
+
+def brute_metis(model, cluster, db, gbs):
+    """One pipeline: every stage group, layer split, tp per stage and mbs (bruteforce.py)."""
+    cost, ev, blocks = CostModel(model, cluster, db), Evaluator(CostModel(model, cluster, db)), make_blocks(cluster, 8)
+    best = math.inf
+    for g, state, rec in pipeline_configs(ev, blocks, blocks.count, gbs, 16):
+        rk = assign_ranks(blocks, [list(g.stages)])[0]
+        stages = [StagePlan(r, st.device_type, st.tp, st.dp, rng, dict(rc))
+                  for st, rng, rc, r in zip(state.stages, state.layer_ranges(), rec, rk)]
+        best = min(best, score(cost, Plan(model, cluster, gbs, [PipelinePlan(state.mbs, gbs, stages)])))
+    return best
+
+
+def brute_hexiscale(model, cluster, db, gbs):
+    """k identical pipelines, tp = stage size, every layer split and power-of-two mbs | Lbs."""
+    cost, ev = CostModel(model, cluster, db), Evaluator(CostModel(model, cluster, db))
+    unit = make_blocks(cluster, 10 ** 6)
+    best = math.inf
+    for k in range(1, min(unit.count) + 1):
+        if any(c % k for c in unit.count) or gbs % k:
+            continue
+        per, lbs = tuple(c // k for c in unit.count), gbs // k
+        blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
+        for g in stage_groups(unit.types, per, model.num_layers, 16):
+            if not all(n in ev.valid_tps(t, n) for t, n in g.stages):
+                continue                        # tp = stage size must fit in a node
+            ranks = assign_ranks(blocks, [list(g.stages)] * k)
+            for split in compositions(model.num_layers, g.num_stages):
+                for mbs in (m for m in range(1, lbs + 1) if lbs % m == 0 and m & (m - 1) == 0):
+                    state = PipeState(tuple(StageState(t, n, n, l) for (t, n), l in zip(g.stages, split)), mbs)
+                    e = ev.evaluate(state, lbs, ranks[0])
+                    if not e.feasible:
+                        continue
+                    pipes = [PipelinePlan(mbs, lbs, [StagePlan(r, st.device_type, st.tp, 1, rng, dict(rc))
+                                                     for st, rng, rc, r in zip(state.stages, state.layer_ranges(),
+                                                                               e.recompute, rk)])
+                             for rk in ranks]
+                    best = min(best, score(cost, Plan(model, cluster, gbs, pipes)))
+    return best
+
+
+def brute_typesplit(model, cluster, db, gbs):
+    """Homogeneous pipelines (every partition of each type), every config and Lbs vector."""
+    cost, ev, blocks = CostModel(model, cluster, db), Evaluator(CostModel(model, cluster, db)), make_blocks(cluster, 8)
+    nt = len(blocks.types)
+
+    def parts(n, largest):
+        if n == 0:
+            yield ()
+        for f in range(min(n, largest), 0, -1):
+            for rest in parts(n - f, f):
+                yield (f,) + rest
+
+    configs, best = {}, math.inf
+    for combo in itertools.product(*[list(parts(c, c)) for c in blocks.count]):
+        vecs = [tuple(n if t == i else 0 for t in range(nt)) for i, p in enumerate(combo) for n in p]
+        for v in vecs:
+            if v not in configs:
+                configs[v] = list(pipeline_configs(ev, blocks, v, gbs, 16))
+        for choice in itertools.product(*[configs[v] for v in vecs]):
+            ranks = assign_ranks(blocks, [list(g.stages) for g, _, _ in choice])
+            for lbs in lbs_vectors([s.mbs for _, s, _ in choice], gbs):
+                pipes = [PipelinePlan(s.mbs, n, [StagePlan(r, st.device_type, st.tp, st.dp, rng, dict(rc))
+                                                for st, rng, rc, r in zip(s.stages, s.layer_ranges(), rec, rk)])
+                         for (_, s, rec), rk, n in zip(choice, ranks, lbs)]
+                best = min(best, score(cost, Plan(model, cluster, gbs, pipes)))
+    return best
+
+
+BRUTE = {"uniform": brute_uniform, "metis": brute_metis, "hexiscale": brute_hexiscale,
+         "typesplit": brute_typesplit}
+# memory-starved case: a single type cannot hold the model (typesplit) and no uniform
+# tp/dp + recompute mode fits; every other (strategy, case) has a feasible plan
+INFEASIBLE = {("uniform", "small memory (tp + recompute)"), ("typesplit", "small memory (tp + recompute)")}
+TOLERANCE = {"uniform": 1e-9, "metis": 0.02, "hexiscale": 0.02, "typesplit": 0.02}
+
+
+# ---------------------------------------------------------------- restrictions
+def check_restriction(strategy, plan):
+    pipes = plan.pipelines
+    if strategy == "uniform":
+        assert len(pipes) == 1
+        st = pipes[0].stages
+        assert len({(s.tp, s.dp) for s in st}) == 1
+        n = [s.num_layers for s in st]
+        assert max(n) - min(n) <= 1 and n == sorted(n, reverse=True)
+        assert len({tuple(sorted(s.recompute.items(), key=str)) and frozenset(s.recompute) for s in st}) == 1
+    elif strategy == "metis":
+        assert len(pipes) == 1 and pipes[0].lbs == plan.gbs
+    elif strategy == "hexiscale":
+        layout = {tuple((s.device_type, len(s.ranks), s.layers) for s in p.stages) for p in pipes}
+        assert len(layout) == 1
+        assert len({(p.lbs, p.mbs) for p in pipes}) == 1 and pipes[0].lbs * len(pipes) == plan.gbs
+        assert all(s.dp == 1 for p in pipes for s in p.stages)
+    elif strategy == "typesplit":
+        assert all(len({s.device_type for s in p.stages}) == 1 for p in pipes)
+    assert sum(p.lbs for p in pipes) == plan.gbs
+
+
+# Known gap: on 4 A100 + 4 RTX3090 at gbs 4 the optimum of the type-split space is two
+# 2-stage tp-2 pipelines (Lbs 3 / 1); TypeSplit stops at one tp-4 stage per type, 2.8%
+# slower, because leaving it needs every stage of both pipelines changed at once (the
+# cross-type All-Reduce couples them).  strict: the test fails once this is fixed.
+KNOWN_GAPS = {("typesplit", "4A+4R gbs4")}
+PAIRS = [pytest.param(s, n, marks=pytest.mark.xfail(strict=True, reason="local optimum, see KNOWN_GAPS"))
+         if (s, n) in KNOWN_GAPS else (s, n) for n in CASES for s in BASELINES]
+
+
+@pytest.mark.parametrize("strategy, name", PAIRS)
+def test_baseline_valid_restricted_and_near_brute_force(strategy, name):
+    model, cluster, db, gbs = setup(name)
+    if (strategy, name) in INFEASIBLE:
+        assert BRUTE[strategy](model, cluster, db, gbs) == math.inf   # nothing in its space fits
+        with pytest.raises(InfeasibleError, match=strategy):
+            plan_baseline(strategy, model, cluster, db, gbs)
+        return
+    plan = plan_baseline(strategy, model, cluster, db, gbs)
+    plan.validate()
+    check_restriction(strategy, plan)
+    assert plan.search["strategy"] == strategy and plan.search["time_s"] >= 0
+    assert plan.predicted["feasible"] and all(st.predicted for p in plan.pipelines for st in p.stages)
+    got = CostModel(model, cluster, db).evaluate(plan)["iteration_ms"]
+    assert got == pytest.approx(plan.predicted["iteration_ms"], abs=1e-3)
+    ref = BRUTE[strategy](model, cluster, db, gbs)
+    assert got <= ref * (1 + TOLERANCE[strategy]), (strategy, got, ref)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hpp_never_slower_than_a_baseline(name):
+    model, cluster, db, gbs = setup(name)
+    hpp = search(model, cluster, db, SearchOptions(gbs=gbs)).predicted["iteration_ms"]
+    for strategy in BASELINES:
+        if (strategy, name) in INFEASIBLE:
+            continue
+        base = plan_baseline(strategy, model, cluster, db, gbs).predicted["iteration_ms"]
+        assert hpp <= base * 1.02, (strategy, hpp, base)
+
+
+def test_uniform_uses_recompute_when_memory_is_short():
+    model, cluster, db, gbs = setup("small memory (tp + recompute)")
+    cluster = make_cluster(A2R2, device_types={"A100": {"memory_gb": 4}, "RTX3090": {"memory_gb": 4}})
+    plan = plan_baseline("uniform", model, cluster, profiles_for(model, cluster), gbs)
+    assert all(s.recompute for s in plan.pipelines[0].stages)
+
+
+def test_options_from_search_options_and_time_limit_recorded():
+    model, cluster, db, gbs = setup("2A+2R gbs16")
+    plan = plan_baseline("metis", model, cluster, db, gbs, SearchOptions(gbs=gbs, max_stages=2))
+    assert plan.search["options"]["max_stages"] == 2 and len(plan.pipelines[0].stages) <= 2
+    assert plan.search["time_limited"] is False
+
+
+def test_model_too_big_is_infeasible_for_every_baseline():
+    model = get_model("gpt3-13b")
+    cluster = make_cluster([{"type": "RTX3090", "devices_per_node": 2}])
+    db = profiles_for(model, cluster)
+    for strategy in BASELINES:
+        with pytest.raises(InfeasibleError, match=strategy):
+            plan_baseline(strategy, model, cluster, db, 8)
+
+
+def test_hexiscale_infeasible_when_pure_tp_stages_outnumber_layers():
+    # one device per node: tp <= 1, so every device is a stage; 4 stages > 2 layers
+    model = ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=512, vocab=8192)
+    cluster = make_cluster([{"type": "A100", "devices_per_node": 1, "count": 3},
+                            {"type": "RTX3090", "devices_per_node": 1}])
+    db = profiles_for(model, cluster)
+    with pytest.raises(InfeasibleError, match="hexiscale.*identical pipelines"):
+        plan_baseline("hexiscale", model, cluster, db, 12)
+    with pytest.raises(InfeasibleError, match="uniform"):
+        plan_baseline("uniform", model, cluster, db, 12)   # 4 stages of 1 > 2 layers
+    # metis: [3 A100 at dp 3][1 RTX3090] with mbs 3 | 12
+    assert len(plan_baseline("metis", model, cluster, db, 12).pipelines[0].stages) == 2
+
+
+def test_unknown_strategy_and_bad_gbs():
+    model, cluster, db, _ = setup("2A+2R gbs16")
+    with pytest.raises(SpecError, match="unknown baseline"):
+        plan_baseline("megatron", model, cluster, db, 8)
+    with pytest.raises(SpecError, match="gbs"):
+        plan_baseline("metis", model, cluster, db, 0)
