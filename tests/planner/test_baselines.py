@@ -10,6 +10,7 @@ from eth.errors import InfeasibleError, PlanError, ProfileError, SpecError
 from eth.model import LAYER_OPS, ModelSpec, get_model
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines import BASELINES, plan_baseline
+from eth.planner.baselines.common import RECOMPUTE_MODES, StageRecomputeEvaluator
 from eth.planner.bruteforce import compositions, lbs_vectors, pipeline_configs
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator, PipeState, StageState
@@ -28,7 +29,7 @@ CASES = {
     "2x(1A+1R) nodes": (M4, [{"type": "A100", "devices_per_node": 1, "count": 2},
                              {"type": "RTX3090", "devices_per_node": 1, "count": 2}], {}, 16),
 }
-MODES = ((), ("score", "softmax", "attn-dropout", "context"), LAYER_OPS)
+MODES = tuple(ops for _, ops in RECOMPUTE_MODES)
 
 
 def setup(name):
@@ -83,8 +84,10 @@ def brute_uniform(model, cluster, db, gbs):
 
 
 def brute_metis(model, cluster, db, gbs):
-    """One pipeline: every stage group, layer split, tp per stage and mbs (bruteforce.py)."""
-    cost, ev, blocks = CostModel(model, cluster, db), Evaluator(CostModel(model, cluster, db)), make_blocks(cluster, 8)
+    """One pipeline: every stage group, layer split, tp per stage and mbs (bruteforce.py),
+    per-stage coarse recompute (none / selective / full)."""
+    cost, blocks = CostModel(model, cluster, db), make_blocks(cluster, 8)
+    ev = StageRecomputeEvaluator(cost)
     best = math.inf
     for g, state, rec in pipeline_configs(ev, blocks, blocks.count, gbs, 16):
         rk = assign_ranks(blocks, [list(g.stages)])[0]
@@ -95,8 +98,10 @@ def brute_metis(model, cluster, db, gbs):
 
 
 def brute_hexiscale(model, cluster, db, gbs):
-    """k identical pipelines, tp = stage size, every layer split and power-of-two mbs | Lbs."""
-    cost, ev = CostModel(model, cluster, db), Evaluator(CostModel(model, cluster, db))
+    """k identical pipelines, tp = stage size, every layer split and power-of-two mbs | Lbs,
+    per-stage coarse recompute (none / selective / full)."""
+    cost = CostModel(model, cluster, db)
+    ev = StageRecomputeEvaluator(cost)
     unit = make_blocks(cluster, 10 ** 6)
     best = math.inf
     for k in range(1, min(unit.count) + 1):
@@ -170,6 +175,10 @@ def check_restriction(strategy, plan):
         assert len({tuple(sorted(s.recompute.items(), key=str)) and frozenset(s.recompute) for s in st}) == 1
     elif strategy == "metis":
         assert len(pipes) == 1 and pipes[0].lbs == plan.gbs
+    if strategy in ("metis", "hexiscale"):        # coarse recompute: a mode, in all layers
+        for s in (s for p in pipes for s in p.stages):
+            assert set(s.recompute.values()) <= {s.num_layers}
+            assert tuple(op for op in LAYER_OPS if op in s.recompute) in MODES
     elif strategy == "hexiscale":
         layout = {tuple((s.device_type, len(s.ranks), s.layers) for s in p.stages) for p in pipes}
         assert len(layout) == 1

@@ -13,11 +13,21 @@ from dataclasses import asdict, dataclass, field
 
 from eth.cost import CostModel
 from eth.errors import InfeasibleError, SpecError
+from eth.model import LAYER_OPS
 from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.evaluate import PipeState
+from eth.planner.evaluate import Evaluator, PipeState, StageState
 
 BASELINES = ("uniform", "metis", "hexiscale", "typesplit")
 """Baseline strategies implemented by :func:`eth.planner.baselines.plan_baseline`."""
+
+
+RECOMPUTE_MODES = (
+    ("none", ()),
+    ("selective", ("score", "softmax", "attn-dropout", "context")),
+    ("full", LAYER_OPS),
+)
+"""Megatron-LM's recompute granularities, cheapest first: none, selective (core
+attention), full (every layer op); each applies to all layers of a stage."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +47,17 @@ class BaselineOptions:
     typesplit), scaled by the adaptive rule of section 6."""
     max_micro: int = 64
     """uniform / hexiscale: largest per-replica micro-batch (mbs / dp) tried."""
+    recompute: str = "stage"
+    """metis / hexiscale: "stage" = per stage the cheapest of RECOMPUTE_MODES that fits
+    (Megatron granularity, what those systems offer); "op" = the HPP rule (op-level
+    recompute per stage, eth.planner.evaluate.Evaluator.fit_stage), for ablations.
+    uniform always uses one mode for all stages; typesplit always uses the HPP rule."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
 
     def __post_init__(self):
+        if self.recompute not in ("stage", "op"):
+            raise SpecError(f"recompute must be 'stage' or 'op', got {self.recompute!r}")
         if self.time_limit < 0:
             raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
         for name in ("max_stages", "max_blocks_per_type", "balance_budget", "max_micro"):
@@ -57,6 +74,35 @@ class BaselineOptions:
             return options
         names = cls.__dataclass_fields__
         return cls(**{n: getattr(options, n) for n in names if hasattr(options, n)})
+
+
+class StageRecomputeEvaluator(Evaluator):
+    """An :class:`Evaluator` whose recompute choice is coarse: per stage, the cheapest of
+    :data:`RECOMPUTE_MODES` that fits, applied to all the stage's layers (instead of the
+    HPP rule's op-level choice).  The stage balancer works unchanged on top of it."""
+
+    def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
+                  nmb: int, ranks, next_ranks, prev_ranks=None):
+        key = ("stage-recompute", st, layers, mbs, j, num_stages, nmb,
+               tuple(ranks) if ranks else None, tuple(next_ranks[:1]) if next_ranks else None,
+               tuple(prev_ranks[:1]) if prev_ranks else None)
+        hit = self._fit.get(key)
+        if hit is None:
+            n = layers[1] - layers[0]
+            for _, ops in RECOMPUTE_MODES:
+                rec = {op: n for op in ops}
+                c = self.cost.stage_cost(st.device_type, st.tp, st.dp, layers, mbs, rec, j, num_stages,
+                                         nmb, ranks, next_ranks, prev_ranks)
+                if c.fits:
+                    break
+            hit = self._fit[key] = (c, tuple(sorted(rec.items())),
+                                    max(c.memory_bytes - c.capacity_bytes, 0.0))
+        return hit
+
+
+def make_evaluator(cost: CostModel, options: "BaselineOptions") -> Evaluator:
+    """The evaluator of ``options.recompute`` ("stage": coarse, "op": the HPP rule)."""
+    return StageRecomputeEvaluator(cost) if options.recompute == "stage" else Evaluator(cost)
 
 
 @dataclass

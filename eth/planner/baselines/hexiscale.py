@@ -16,8 +16,9 @@ tp degrees, :func:`balance_layers` minimises the pipeline's Eq. 5 end time
 over the layer counts l_j (sum = L, >= 1) and Mbs (a power of two dividing Lbs, Mbs / 1
 <= max_micro) by steepest descent from a compute-proportional split: move one layer
 from one of the two bottleneck stages (memory overflow first, else largest T_j) to any
-other stage, or double / halve Mbs.  Recompute is derived by the HPP rule
-(:meth:`eth.planner.evaluate.Evaluator.fit_stage`).  Each result becomes the k-pipeline
+other stage, or double / halve Mbs.  Recompute: per stage the cheapest of none /
+selective / full that fits (``BaselineOptions.recompute = "stage"``, default), or the
+HPP op-level rule ("op").  Each result becomes the k-pipeline
 plan scored by :meth:`eth.cost.CostModel.evaluate`; the fastest feasible plan wins.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import replace
 from eth.cost import CostModel, eq5_end_times, eq6_allreduce_ms
 from eth.plan import Plan
 from eth.planner.balance import resplit
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish, pipeline_plan,
-                                          powers_of_two, progress_bar)
+from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish, make_evaluator,
+                                          pipeline_plan, powers_of_two, progress_bar)
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
 
@@ -98,7 +99,7 @@ def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep,
 def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
     cost = CostModel(model, cluster, profiles)
-    ev = Evaluator(cost)
+    ev = make_evaluator(cost, options)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
     counts = unit.count
     need = model.num_params() * cost.bytes_per_param

@@ -10,8 +10,11 @@ HPP phase-1 problem for the pipeline that holds every device (Eq. 1 with B = Gbs
 so it reuses the HPP machinery restricted to that pipeline: every stage device group
 of the whole cluster (:func:`eth.planner.enumerate.stage_groups`), the warm start
 (:func:`eth.planner.balance.initial_state`) and the Aceso-style stage balancer
-(:func:`eth.planner.balance.balance`, layer moves, tp <-> dp, mbs, op-level recompute)
-with the adaptive budgets of section 6.  Each balanced group becomes a plan scored by
+(:func:`eth.planner.balance.balance`: layer moves, tp <-> dp, mbs) with the adaptive
+budgets of section 6.  Recompute: by default per stage the cheapest of none / selective /
+full that fits (``BaselineOptions.recompute = "stage"``, Megatron granularity; op-level
+stage-specific recompute is one of ETH's own contributions, section 4.2.3); "op" gives
+Metis the HPP rule.  Each balanced group becomes a plan scored by
 :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6); the fastest feasible one wins.
 """
 from __future__ import annotations
@@ -19,17 +22,16 @@ from __future__ import annotations
 from eth.cost import CostModel
 from eth.plan import Plan
 from eth.planner.balance import balance, initial_state
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, pipeline_plan,
-                                          progress_bar)
+from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, make_evaluator,
+                                          pipeline_plan, progress_bar)
 from eth.planner.enumerate import assign_ranks, make_blocks, stage_groups
-from eth.planner.evaluate import Evaluator
 from eth.planner.pipeline import adaptive_budgets
 
 
 def plan_metis(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
     cost = CostModel(model, cluster, profiles)
-    ev = Evaluator(cost)
+    ev = make_evaluator(cost, options)
     blocks = make_blocks(cluster, options.max_blocks_per_type)
     vec = blocks.count
     groups = stage_groups(blocks.types, blocks.devices(vec), model.num_layers, options.max_stages)

@@ -23,17 +23,9 @@ import math
 
 from eth.cost import CostModel
 from eth.errors import SpecError
-from eth.model import LAYER_OPS
 from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
-                                          powers_of_two, progress_bar, type_ranks)
-
-RECOMPUTE_MODES = (
-    ("none", ()),
-    ("selective", ("score", "softmax", "attn-dropout", "context")),
-    ("full", LAYER_OPS),
-)
-
+from eth.planner.baselines.common import (RECOMPUTE_MODES, Best, BaselineOptions, Clock, divisors,
+                                          finish, powers_of_two, progress_bar, type_ranks)
 
 def even_split(num_layers: int, pp: int) -> list[int]:
     """Megatron's split: L // pp layers each, the first L mod pp stages one more."""
