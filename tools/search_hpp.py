@@ -51,9 +51,6 @@ def main(argv=None) -> int:
         cluster = load_cluster(args.cluster)
         db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
         added = db.ensure(model, cluster.types.values())
-        if added:
-            print(f"note: analytic profiles (roofline estimates) for {model.name} on "
-                  f"{', '.join(added)}", file=sys.stderr)
         options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
                                 skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
                                 alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
@@ -61,8 +58,10 @@ def main(argv=None) -> int:
                                 max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
                                 progress=not args.no_progress)
         plan = search(model, cluster, db, options)
-        if added:
+        if added:  # said after the search so that an error stays a single line
             plan.search["analytic_profiles"] = added
+            print(f"note: analytic profiles (roofline estimates) for {model.name} on "
+                  f"{', '.join(added)}", file=sys.stderr)
         print(format_plan(plan))
         if args.output:
             plan.save(args.output)
