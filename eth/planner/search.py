@@ -9,12 +9,12 @@ pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost wit
 2. greedy local batch allocation (Eq. 2-5, :func:`eth.planner.allocate.allocate`) with
    AR_i^j from :meth:`eth.cost.CostModel.stage_allreduce_ms` (Eq. 6) on concrete ranks;
    if the phase-1 Mbs admit no exact split, the exact allocation with free Mbs
-   (:func:`eth.planner.polish.variant_allocation`) is used instead;
+   (:func:`eth.planner.polish.variant_allocation`) is used instead; then Mbs are halved
+   while re-allocation lowers Eq. 2 (:func:`eth.planner.polish.finer_microbatches`:
+   coarse Mbs make the Lbs split too coarse);
 3. for groups within ``refine_margin`` of the best: re-balance every pipeline with its
    Lbs (Eq. 1 with Lbs, :func:`eth.planner.pipeline.refine_pipeline`), re-allocate
    (its Mbs may have changed), and keep the refined plan only if it is predicted faster;
-   then halve single pipelines' Mbs while re-allocation lowers Eq. 2
-   (:func:`eth.planner.polish.finer_microbatches`: coarse Mbs make Lbs too coarse).
 4. after the search, the ``polish_top`` best groups are polished on the true objective
    (:func:`eth.planner.polish.polish`: tp/dp and layer moves scored by Eq. 5 + Eq. 6
    of the whole group, then an exact allocation with free Mbs).
