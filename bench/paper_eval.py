@@ -1,0 +1,533 @@
+#!/usr/bin/env python
+"""Paper evaluation (sections 7.2, 7.4, 7.5): HPP against its baselines in one cost model.
+
+For the paper's Table 2 models and cluster scales (examples/clusters/<pair>-<n>.yaml
+from examples/make_clusters.py; pairs b2b3, b2b4, b3b4, a100-3090) and for the
+section 7.4 sweeps of GPT-3 13B on 910B2/910B4 (devices 16..128, global batch
+4..4096, sequence length 32..8192), every strategy -- hpp (eth.planner.search),
+uniform, metis, hexiscale, typesplit (eth.planner.baselines) -- plans the iteration
+from the same profiles (the shipped analytic ones in profiles/, extended by
+ProfileDB.ensure for other sequence lengths) and the same CostModel; each plan is then
+played by the event simulator (eth.simulate).  Written to --out (bench/results/):
+
+    table2.csv, sweep_devices.csv, sweep_gbs.csv, sweep_seq.csv   one row per (case, strategy)
+    paper_eval.md                                                 tables built from the CSVs
+    sweep_devices.png, sweep_gbs.png, sweep_seq.png               one plot per sweep
+
+Columns: pred_ms = Eq. 5 + Eq. 6 (CostModel.evaluate), sim_ms = simulated iteration
+(incl. the optimizer step, which Eq. 5 leaves out), search_s = planner wall time,
+ideal_ms = training FLOPs of the iteration / sum over devices of peak x
+eth.profiles.GEMM_EFFICIENCY, where the FLOPs are the sum over all ops of
+eth.model.op_shapes (forward + backward = 3 x forward, no recompute) x gbs;
+efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
+"infeasible" (the paper's OOM).
+
+    python bench/paper_eval.py --quick              # subset, < 1 minute -> bench/results/quick/
+    python bench/paper_eval.py --time-limit 60      # everything (many minutes)
+    python bench/paper_eval.py --only table2 --models gpt3-13b --pairs b2b4
+    python bench/paper_eval.py --report-only        # rebuild md + PNG from the CSVs
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ("hpp", "uniform", "metis", "hexiscale", "typesplit")
+BASELINES = STRATEGIES[1:]
+SWEEPS = ("devices", "gbs", "seq")
+SWEEP_VALUES = {"devices": (16, 32, 48, 64, 96, 128),
+                "gbs": (4, 16, 64, 256, 1024, 4096),
+                "seq": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
+QUICK_SWEEPS = {"devices": (16, 32), "gbs": (4, 64, 1024), "seq": (512, 8192)}
+SWEEP_BASE = {"devices": 64, "gbs": 1024, "seq": 2048}
+LABELS = {"devices": "devices (half 910B2, half 910B4; 8 per node)", "gbs": "global batch size",
+          "seq": "sequence length"}
+
+
+# Paper appendix A, Table 3 (GPT-3 13B on 4x8 910B2 + 4x8 910B4, gbs 1024): the plans the
+# paper reports for each system.  Per pipeline (mbs, lbs, stages); per stage (device
+# type, devices, tp, layers, {recomputed op: layers}); dp = devices / tp.  They are
+# re-evaluated in this repository's cost model and simulator (section "table3").
+TABLE3_PLANS = {
+    "metis": [(4, 1024, [("910B2", 8, 2, 5, {}), ("910B2", 8, 2, 6, {}), ("910B2", 8, 4, 7, {}),
+                         ("910B2", 8, 2, 6, {}), ("910B4", 8, 8, 3, {}), ("910B4", 8, 8, 4, {}),
+                         ("910B4", 8, 4, 4, {}), ("910B4", 8, 4, 5, {})])],
+    "hexiscale": [(4, 512, [("910B4", 4, 4, 3, {}), ("910B4", 4, 4, 3, {}), ("910B4", 4, 4, 3, {}),
+                            ("910B4", 4, 4, 4, {}), ("910B2", 4, 4, 5, {}), ("910B2", 4, 4, 7, {}),
+                            ("910B2", 4, 4, 7, {}), ("910B2", 4, 4, 8, {})])] * 2,
+    "hpp": [(4, 344, [("910B4", 4, 4, 4, {"qkv": 4, "score": 4, "softmax": 4, "attn-dropout": 4}),
+                      ("910B4", 4, 4, 4, {"softmax": 4, "attn-dropout": 4}),
+                      ("910B4", 4, 4, 5, {"softmax": 4, "attn-dropout": 4}),
+                      ("910B4", 4, 2, 5, {}), ("910B4", 4, 2, 5, {}), ("910B4", 4, 2, 5, {}),
+                      ("910B4", 4, 1, 6, {}), ("910B4", 4, 1, 6, {})]),
+            (8, 680, [("910B2", 8, 8, 8, {"softmax": 6, "attn-dropout": 6}),
+                      ("910B2", 8, 8, 9, {"softmax": 4, "attn-dropout": 4}),
+                      ("910B2", 8, 4, 11, {}), ("910B2", 8, 4, 12, {})])],
+}
+
+
+def table3_plan(strategy: str, model, cluster):
+    """The paper's Table 3 plan of ``strategy`` on ``cluster`` (ranks in cluster order per type)."""
+    from eth.plan import PipelinePlan, Plan, StagePlan
+    free: dict[str, list[int]] = {}
+    for d in cluster.devices:
+        free.setdefault(d.type, []).append(d.rank)
+    pipes = []
+    for mbs, lbs, stages in TABLE3_PLANS[strategy]:
+        out, start = [], 0
+        for t, n, tp, layers, rec in stages:
+            ranks, free[t] = free[t][:n], free[t][n:]
+            out.append(StagePlan(ranks, t, tp, n // tp, (start, start + layers), dict(rec)))
+            start += layers
+        pipes.append(PipelinePlan(mbs, lbs, out))
+    return Plan(model, cluster, 1024, pipes).validate()
+
+
+def run_table3(mc, cache: ProfileCache) -> list[Row]:
+    """Rows for the paper's Table 3 plans: status "infeasible" = over memory in our model."""
+    from eth.cost import CostModel
+    from eth.model import get_model
+    from eth.simulate import simulate
+    case = Case("table3", "gpt3-13b", "b2b4", 64, 1024, 2048)
+    model, cluster = get_model(case.model), cluster_for(case, mc)
+    cost = CostModel(model, cluster, cache.for_problem(model, cluster))
+    rows = []
+    for strategy in TABLE3_PLANS:
+        plan = table3_plan(strategy, model, cluster)
+        ev = cost.evaluate(plan)
+        worst = max(c.memory_bytes / c.capacity_bytes for p in ev["pipelines"] for c in p["costs"])
+        sim = simulate(plan, cost).iteration_ms
+        ideal = ideal_ms(model, cluster, case.gbs)
+        rows.append(Row(**asdict(case), strategy=strategy, status="ok" if ev["feasible"] else "infeasible",
+                        pred_ms=ev["iteration_ms"], sim_ms=sim, search_s=0.0, pipelines=len(plan.pipelines),
+                        stages="+".join(str(len(p.stages)) for p in plan.pipelines), ideal_ms=ideal,
+                        efficiency=ideal / sim,
+                        note=f"paper Table 3 plan; peak memory {worst:.2f} x capacity in our model"))
+    return rows
+
+
+@dataclass(frozen=True)
+class Case:
+    """One planning problem."""
+
+    table: str
+    """"table2" or "sweep_<name>"."""
+    model: str
+    pair: str
+    devices: int
+    gbs: int
+    seq: int
+
+
+@dataclass
+class Row:
+    """One (case, strategy) result; the CSV columns."""
+
+    table: str
+    model: str
+    pair: str
+    devices: int
+    gbs: int
+    seq: int
+    strategy: str
+    status: str = "ok"
+    """ok | infeasible | error."""
+    pred_ms: float = float("nan")
+    sim_ms: float = float("nan")
+    search_s: float = float("nan")
+    time_limited: bool = False
+    pipelines: int = 0
+    stages: str = ""
+    """Stage count of every pipeline, e.g. "4+4"."""
+    ideal_ms: float = float("nan")
+    efficiency: float = float("nan")
+    note: str = ""
+
+
+class ProfileCache:
+    """The shipped profiles, loaded once per process; missing shapes added analytically."""
+
+    def __init__(self, path: Path):
+        from eth.profiles import ProfileDB
+        self.db = ProfileDB.load(path)
+        self.added: set[str] = set()
+
+    def for_problem(self, model, cluster):
+        for name in self.db.ensure(model, cluster.types.values()):
+            self.added.add(f"{name}/{model.name}/seq{model.seq_len}")
+        return self.db
+
+
+def make_clusters_module():
+    """examples/make_clusters.py (PAIRS, SCALES, cluster()): the Table 2 scales' one source."""
+    spec = importlib.util.spec_from_file_location("make_clusters", ROOT / "examples" / "make_clusters.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cluster_for(case: Case, mc):
+    from eth.cluster import Cluster, load_cluster
+    path = ROOT / "examples" / "clusters" / f"{case.pair}-{case.devices}.yaml"
+    if path.exists():
+        return load_cluster(path)
+    per_node = 8
+    nodes = case.devices // (2 * per_node)
+    return Cluster.from_dict(mc.cluster(case.pair, nodes, per_node))
+
+
+def ideal_ms(model, cluster, gbs: int) -> float:
+    """Training FLOPs of one iteration / aggregate analytic GEMM throughput (see module doc)."""
+    from eth.model import LAYER_OPS, POST_OPS, PRE_OPS, op_shapes
+    from eth.profiles import GEMM_EFFICIENCY
+    ops = op_shapes(model, 1, 1)
+    per_sample = sum(ops[o].flops_fwd + ops[o].flops_bwd for o in LAYER_OPS) * model.num_layers
+    per_sample += sum(ops[o].flops_fwd + ops[o].flops_bwd for o in PRE_OPS + POST_OPS)
+    rate = sum(cluster.type_of(d.rank).tflops for d in cluster.devices) * 1e12 * GEMM_EFFICIENCY
+    return per_sample * gbs / rate * 1e3
+
+
+def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies) -> list[Row]:
+    from eth.cost import CostModel
+    from eth.errors import InfeasibleError, SpecError
+    from eth.model import get_model
+    from eth.planner.baselines import BaselineOptions, plan_baseline
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.simulate import simulate
+
+    model = get_model(case.model, seq_len=case.seq)
+    cluster = cluster_for(case, mc)
+    db = cache.for_problem(model, cluster)
+    cost = CostModel(model, cluster, db)
+    ideal = ideal_ms(model, cluster, case.gbs)
+    rows = []
+    for strategy in strategies:
+        row = Row(**asdict(case), strategy=strategy, ideal_ms=ideal)
+        start = time.perf_counter()
+        try:
+            if strategy == "hpp":
+                plan = search(model, cluster, db, SearchOptions(gbs=case.gbs, time_limit=time_limit))
+            else:
+                plan = plan_baseline(strategy, model, cluster, db, case.gbs,
+                                     BaselineOptions(time_limit=time_limit))
+        except InfeasibleError as exc:
+            row.status, row.note = "infeasible", str(exc)[:160]
+        except SpecError as exc:
+            row.status, row.note = "error", str(exc)[:160]
+        row.search_s = time.perf_counter() - start
+        if row.status == "ok":
+            row.pred_ms = plan.predicted["iteration_ms"]
+            row.time_limited = bool(plan.search.get("time_limited"))
+            row.pipelines = len(plan.pipelines)
+            row.stages = "+".join(str(len(p.stages)) for p in plan.pipelines)
+            row.sim_ms = simulate(plan, cost).iteration_ms
+            row.efficiency = ideal / row.sim_ms
+        rows.append(row)
+    return rows
+
+
+def cases_for(args, mc) -> dict[str, list[Case]]:
+    out: dict[str, list[Case]] = {}
+    if args.only in (None, "table2"):
+        models = args.models or (["gpt3-350m", "gpt3-1.3b"] if args.quick else list(mc.SCALES))
+        pairs = args.pairs or (["b2b4", "a100-3090"] if args.quick else list(mc.PAIRS))
+        out["table2"] = [Case("table2", m, p, 2 * mc.SCALES[m][0] * mc.SCALES[m][1], args.gbs, 2048)
+                         for m in models for p in pairs]
+    if args.only in (None, "sweeps"):
+        for sweep in SWEEPS:
+            values = (QUICK_SWEEPS if args.quick else SWEEP_VALUES)[sweep]
+            base = dict(SWEEP_BASE)
+            if args.quick:
+                base["devices"] = 16
+            cases = []
+            for v in values:
+                spec = dict(base, **{sweep: v})
+                cases.append(Case(f"sweep_{sweep}", "gpt3-13b", "b2b4", spec["devices"], spec["gbs"],
+                                  spec["seq"]))
+            out[f"sweep_{sweep}"] = cases
+    return out
+
+
+# ------------------------------------------------------------------------------ CSV
+def write_csv(path: Path, rows: list[Row]) -> None:
+    names = [f.name for f in fields(Row)]
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=names)
+        w.writeheader()
+        for r in rows:
+            d = asdict(r)
+            for k in ("pred_ms", "sim_ms", "ideal_ms"):
+                d[k] = f"{d[k]:.1f}"
+            d["search_s"] = f"{d['search_s']:.2f}"
+            d["efficiency"] = f"{d['efficiency']:.3f}"
+            w.writerow(d)
+
+
+def read_csv(path: Path) -> list[Row]:
+    rows = []
+    with path.open() as fh:
+        for d in csv.DictReader(fh):
+            kw = {}
+            for f in fields(Row):
+                v = d[f.name]
+                kw[f.name] = (int(v) if f.type == "int" else float(v) if f.type == "float"
+                              else v == "True" if f.type == "bool" else v)
+            rows.append(Row(**kw))
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+def _group(rows: list[Row]) -> dict[tuple, dict[str, Row]]:
+    out: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        out.setdefault((r.model, r.pair, r.devices, r.gbs, r.seq), {})[r.strategy] = r
+    return out
+
+
+def _cell_time(r: Row | None) -> str:
+    if r is None:
+        return "-"
+    if r.status != "ok":
+        return "OOM" if r.status == "infeasible" else "error"
+    return f"{r.sim_ms / 1e3:.2f} ({r.pred_ms / 1e3:.2f})" + ("*" if r.time_limited else "")
+
+
+def _speedup(hpp: Row | None, base: Row | None) -> float | None:
+    if hpp is None or base is None or hpp.status != "ok" or base.status != "ok":
+        return None
+    return base.sim_ms / hpp.sim_ms
+
+
+def _case_label(key, varying: str | None) -> list[str]:
+    model, pair, devices, gbs, seq = key
+    if varying is None:
+        return [model, pair, str(devices)]
+    return [str({"devices": devices, "gbs": gbs, "seq": seq}[varying])]
+
+
+def markdown_tables(table: str, rows: list[Row]) -> list[str]:
+    varying = table.removeprefix("sweep_") if table.startswith("sweep_") else None
+    head = ["model", "pair", "devices"] if varying is None else [varying]
+    groups = _group(rows)
+    lines = ["", "Iteration time, s: simulated (Eq. 5 prediction); OOM = no plan fits; "
+             "* = search hit its time limit", ""]
+    lines += _md_table(head + list(STRATEGIES),
+                       [_case_label(k, varying) + [_cell_time(g.get(s)) for s in STRATEGIES]
+                        for k, g in groups.items()])
+    lines += ["", "Speedup of HPP over each baseline (simulated; Eq. 5 prediction in brackets)", ""]
+    body = []
+    for k, g in groups.items():
+        cells = []
+        for b in BASELINES:
+            sim = _speedup(g.get("hpp"), g.get(b))
+            if sim is None:
+                cells.append("OOM" if g.get(b) is not None and g[b].status == "infeasible" else "-")
+            else:
+                pred = g[b].pred_ms / g["hpp"].pred_ms
+                cells.append(f"{sim:.2f}x ({pred:.2f}x)")
+        body.append(_case_label(k, varying) + cells)
+    lines += _md_table(head + [f"vs {b}" for b in BASELINES], body)
+    lines += ["", "Search time, s / efficiency (ideal time / simulated time)", ""]
+    body = []
+    for k, g in groups.items():
+        body.append(_case_label(k, varying) + [
+            "-" if g.get(s) is None else
+            (f"{g[s].search_s:.1f} / {g[s].efficiency:.2f}" if g[s].status == "ok" else f"{g[s].search_s:.1f} / -")
+            for s in STRATEGIES])
+    lines += _md_table(head + list(STRATEGIES), body)
+    return lines
+
+
+def table3_lines(rows: list[Row], table2: list[Row]) -> list[str]:
+    """The paper's Table 3 plans next to our searches' plans for the same problem."""
+    ours = {r.strategy: r for r in table2 if (r.model, r.pair, r.devices) == ("gpt3-13b", "b2b4", 64)}
+    lines = ["", "## The paper's Table 3 plans (GPT-3 13B, B2/B4, 64 devices, gbs 1024) in our model", "",
+             "Each configuration of the paper's appendix A is rebuilt stage by stage and evaluated "
+             "with our cost model and simulator, next to the plan our own search of that strategy "
+             "finds for the same problem (table2.csv).  Times in s, simulated (Eq. 5).", ""]
+    body = []
+    for r in rows:
+        peak = r.note.split("peak memory ")[-1].split(" x")[0]
+        o = ours.get(r.strategy)
+        body.append([r.strategy, f"{r.sim_ms / 1e3:.2f} ({r.pred_ms / 1e3:.2f})",
+                     f"{peak} x" + ("" if r.status == "ok" else " (OOM)"), _cell_time(o),
+                     f"{r.sim_ms / o.sim_ms:.2f}" if o is not None and o.status == "ok" else "-"])
+    lines += _md_table(["system", "paper's plan", "peak memory / capacity", "our search's plan",
+                        "paper plan / ours"], body)
+    return lines
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in body]
+    return out
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """Ranges of the HPP speedup per baseline and pair (the paper's headline numbers)."""
+    lines = ["| pair | " + " | ".join(f"vs {b}" for b in BASELINES) + " |",
+             "|---|" + "|".join("---" for _ in BASELINES) + "|"]
+    groups = _group(rows)
+    for pair in sorted({k[1] for k in groups}):
+        cells = []
+        for b in BASELINES:
+            sp = [s for k, g in groups.items() if k[1] == pair
+                  for s in [_speedup(g.get("hpp"), g.get(b))] if s is not None]
+            oom = sum(1 for k, g in groups.items() if k[1] == pair and g.get(b) is not None
+                      and g[b].status == "infeasible")
+            text = f"{min(sp):.2f}-{max(sp):.2f}x" if sp else "-"
+            cells.append(text + (f" ({oom} OOM)" if oom else ""))
+        lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(out: Path, command: str, time_limit: float, cache_notes: list[str]) -> None:
+    tables = {p.stem: read_csv(p) for p in sorted(out.glob("*.csv"))}
+    md = ["# Paper evaluation: HPP vs baselines in one cost model", "",
+          f"Produced by `{command}` (bench/paper_eval.py); per-search time limit "
+          f"{time_limit:g} s (0 = none).  Analytic (roofline) profiles from profiles/ "
+          "(ProfileDB.ensure for other sequence lengths); times are predictions of this "
+          "repository's cost model and simulator, not measurements.",
+          "", "Efficiency = ideal time / simulated time; ideal time = sum over all ops of "
+          "eth.model.op_shapes FLOPs x 3 (forward + backward, no recompute) x gbs / "
+          "(sum over devices of peak TFLOPS x GEMM_EFFICIENCY 0.6)."]
+    if cache_notes:
+        md += ["", "Analytic profiles generated in this run: " + ", ".join(sorted(cache_notes)) + "."]
+    if "table2" in tables:
+        md += ["", "## Table 2 models and scales (gbs 1024, seq 2048)", "",
+               "HPP speedup range per device pair (simulated iteration time):", ""]
+        md += summary_lines(tables["table2"])
+        md += markdown_tables("table2", tables["table2"])
+    if "table3" in tables:
+        md += table3_lines(tables["table3"], tables.get("table2", []))
+    for sweep in SWEEPS:
+        name = f"sweep_{sweep}"
+        if name in tables:
+            r0 = tables[name][0]
+            fixed = {k: v for k, v in (("devices", r0.devices), ("gbs", r0.gbs), ("seq", r0.seq)) if k != sweep}
+            md += ["", f"## Sweep: {LABELS[sweep]} ({r0.model}, {r0.pair}, "
+                   + ", ".join(f"{k} {v}" for k, v in fixed.items()) + ")", "",
+                   f"Plot: {name}.png"]
+            md += markdown_tables(name, tables[name])
+    (out / "paper_eval.md").write_text("\n".join(md) + "\n")
+    for sweep in SWEEPS:
+        name = f"sweep_{sweep}"
+        if name in tables:
+            plot_sweep(tables[name], sweep, out / f"{name}.png")
+
+
+def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _group(rows)
+    keys = sorted(groups, key=lambda k: {"devices": k[2], "gbs": k[3], "seq": k[4]}[sweep])
+    xs = [{"devices": k[2], "gbs": k[3], "seq": k[4]}[sweep] for k in keys]
+    colors = dict(zip(STRATEGIES, ("tab:red", "tab:gray", "tab:blue", "tab:green", "tab:purple")))
+    markers = dict(zip(STRATEGIES, ("o", "s", "^", "D", "v")))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for s in STRATEGIES:
+        pts = [(x, groups[k][s].sim_ms / 1e3) for x, k in zip(xs, keys)
+               if s in groups[k] and groups[k][s].status == "ok"]
+        if pts:
+            ax1.plot(*zip(*pts), marker=markers[s], color=colors[s], label=s)
+        bad = [x for x, k in zip(xs, keys) if s in groups[k] and groups[k][s].status != "ok"]
+        if bad:
+            ax1.scatter(bad, [0.0] * len(bad), marker="x", s=70, color=colors[s], transform=ax1.get_xaxis_transform(),
+                        clip_on=False, zorder=5, label=f"{s}: OOM/infeasible")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("simulated iteration time (s, log)")
+    ax1.set_title("iteration time (x on the axis = no plan fits)")
+    for s in BASELINES:
+        pts = [(x, sp) for x, k in zip(xs, keys) for sp in [_speedup(groups[k].get("hpp"), groups[k].get(s))]
+               if sp is not None]
+        if pts:
+            ax2.plot(*zip(*pts), marker=markers[s], color=colors[s], label=f"HPP vs {s}")
+    ax2.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax2.set_ylabel("speedup of HPP (simulated)")
+    ax2.set_title("HPP speedup over each baseline")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs], rotation=45 if len(xs) > 6 else 0)
+        ax.minorticks_off()
+        ax.set_xlabel(LABELS[sweep])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    r0 = rows[0]
+    fixed = ", ".join(f"{k} {v}" for k, v in (("devices", r0.devices), ("gbs", r0.gbs), ("seq", r0.seq))
+                      if k != sweep)
+    fig.suptitle(f"GPT-3 13B on 910B2/910B4 ({fixed}); analytic profiles, eth cost model + simulator")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    p.add_argument("--only", choices=("table2", "table3", "sweeps"), help="run only this part")
+    p.add_argument("--models", nargs="+", help="Table 2 models (default: all, quick: 350m, 1.3b)")
+    p.add_argument("--pairs", nargs="+", help="device pairs (default: all, quick: b2b4, a100-3090)")
+    p.add_argument("--sweeps", nargs="+", choices=SWEEPS, help="which sweeps (default: all)")
+    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    p.add_argument("--gbs", type=int, default=1024, help="global batch of the Table 2 runs")
+    p.add_argument("--time-limit", type=float, help="seconds per search, 0 = none (default 60, quick: 10)")
+    p.add_argument("--out", help="output folder (default bench/results, quick: bench/results/quick)")
+    p.add_argument("--report-only", action="store_true", help="rebuild md + PNG from existing CSVs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.time_limit is None:
+        args.time_limit = 10.0 if args.quick else 60.0
+    sys.path.insert(0, str(ROOT))
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / ("quick" if args.quick else "")
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python bench/paper_eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    notes: list[str] = []
+    if not args.report_only:
+        from tqdm import tqdm
+        mc = make_clusters_module()
+        cache = ProfileCache(ROOT / "profiles")
+        groups = cases_for(args, mc)
+        if args.sweeps:
+            groups = {k: v for k, v in groups.items() if not k.startswith("sweep_")
+                      or k.removeprefix("sweep_") in args.sweeps}
+        if args.only in (None, "table3"):
+            write_csv(out / "table3.csv", run_table3(mc, cache))
+        total = sum(len(v) for v in groups.values())
+        bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
+        try:
+            for table, cases in groups.items():
+                rows = []
+                for case in cases:
+                    bar.set_description(f"{case.model} {case.pair}-{case.devices} gbs{case.gbs} seq{case.seq}")
+                    rows += run_case(case, mc, cache, args.time_limit, args.strategies)
+                    bar.update(1)
+                path = out / f"{table}.csv"
+                if path.exists() and (args.models or args.pairs):   # merge partial re-runs
+                    keep = {(r.model, r.pair, r.devices, r.gbs, r.seq, r.strategy) for r in rows}
+                    rows = [r for r in read_csv(path)
+                            if (r.model, r.pair, r.devices, r.gbs, r.seq, r.strategy) not in keep] + rows
+                write_csv(path, rows)
+        finally:
+            bar.close()
+        notes = sorted(cache.added)
+    write_report(out, command, args.time_limit, notes)
+    print((out / "paper_eval.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
