@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eth.planner.options import STRATEGIES
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1],
@@ -20,7 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gbs", type=int, required=True, help="global batch size")
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
-    p.add_argument("--strategy", default="hpp", help="search strategy")
+    p.add_argument("--strategy", default="hpp", choices=STRATEGIES,
+                   help="hpp, or a baseline in the same cost model (Megatron uniform, Metis-style, "
+                        "HexiScale-style, TypeSplit-HPP)")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds, 0 = none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=1.5, help="approximate-bound tolerance factor")

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 from eth.errors import SpecError
 
-STRATEGIES = ("hpp",)
+STRATEGIES = ("hpp", "uniform", "metis", "hexiscale", "typesplit")
 """Search strategies known to :func:`eth.planner.search.search`.  Baselines (Megatron
 uniform, Metis-style, HexiScale-style, TypeSplit-HPP) will register here."""
 
@@ -17,7 +17,8 @@ class SearchOptions:
     gbs: int
     """Global batch size (samples per iteration)."""
     strategy: str = "hpp"
-    """Search strategy; only "hpp" is implemented (baselines come later)."""
+    """Search strategy: "hpp", or a baseline of eth.planner.baselines (uniform, metis,
+    hexiscale, typesplit) in the same cost model."""
     cache: bool = True
     """Section 5.1: reuse a pipeline's optimised configuration keyed by its device
     multiset (and batch) across device groups."""
@@ -77,7 +78,7 @@ class SearchOptions:
         if not isinstance(self.gbs, int) or isinstance(self.gbs, bool) or self.gbs <= 0:
             raise SpecError(f"gbs must be a positive integer, got {self.gbs!r}")
         if self.strategy not in STRATEGIES:
-            raise SpecError(f"strategy {self.strategy!r} is not implemented; known: {', '.join(STRATEGIES)}")
+            raise SpecError(f"strategy {self.strategy!r} is unknown; known: {', '.join(STRATEGIES)}")
         if self.alpha < 1:
             raise SpecError(f"alpha must be >= 1, got {self.alpha}")
         if self.time_limit < 0:

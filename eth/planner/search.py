@@ -424,4 +424,5 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
     """Run the configured strategy and return a validated, annotated plan."""
     if options.strategy == "hpp":
         return HPPSearch(model, cluster, profiles, options).run()
-    raise InfeasibleError(f"strategy {options.strategy!r} is not implemented")
+    from eth.planner.baselines import plan_baseline
+    return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
