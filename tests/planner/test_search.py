@@ -135,7 +135,7 @@ def test_options_are_validated():
     with pytest.raises(SpecError, match="alpha"):
         SearchOptions(gbs=8, alpha=0.5)
     with pytest.raises(SpecError, match="strategy"):
-        SearchOptions(gbs=8, strategy="metis")
+        SearchOptions(gbs=8, strategy="megatron-3d")
 
 
 def _write_cluster(tmp_path, nodes):
