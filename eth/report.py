@@ -113,6 +113,25 @@ def format_plan_table(plan) -> str:
     return "\n".join(lines)
 
 
+def format_search_line(plan) -> str:
+    """Throughput and search metadata of a plan written by the planner ("" if none)."""
+    search = plan.search or {}
+    lines = []
+    it = plan.predicted.get("iteration_ms")
+    if it:
+        lines.append(f"{plan.model.name}  gbs={plan.gbs}  devices={plan.world_size}  "
+                     f"pipelines={len(plan.pipelines)}  predicted iteration {it:.1f} ms "
+                     f"({plan.gbs / it * 1e3:.1f} samples/s)")
+    if search:
+        c = search.get("candidates", {})
+        lines.append(f"search [{search.get('strategy', 'hpp')}] {search.get('time_s', 0):.2f}s: "
+                     f"{c.get('groups_total', 0)} device groups, {c.get('evaluated', 0)} evaluated, "
+                     f"{c.get('skipped', 0)} skipped, {c.get('by_dp', 0)} from DP, "
+                     f"{search.get('cache_hits', 0)} cache hits"
+                     + (" [time limit hit]" if search.get("time_limited") else ""))
+    return "\n".join(lines)
+
+
 def format_sim_summary(plan, result) -> str:
     """Per-stage time breakdown of a simulated iteration (:class:`eth.simulate.SimResult`)."""
     lines = [f"Simulated iteration (event-driven 1F1B + block All-Reduce + optimizer): "

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         from eth.model import get_model
         from eth.planner.options import SearchOptions
         from eth.planner.search import search
-        from eth.planner.summary import format_plan
+        from eth.report import format_plan_table, format_search_line
         from eth.profiles import ProfileDB
 
         model = get_model(args.model, seq_len=args.seq)
@@ -66,7 +66,8 @@ def main(argv=None) -> int:
             plan.search["analytic_profiles"] = added
             print(f"note: analytic profiles (roofline estimates) for {model.name} on "
                   f"{', '.join(added)}", file=sys.stderr)
-        print(format_plan(plan))
+        print(format_plan_table(plan))
+        print(format_search_line(plan))
         if args.output:
             plan.save(args.output)
             print(f"wrote {args.output}")

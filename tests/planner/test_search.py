@@ -178,15 +178,17 @@ def test_time_limit_is_reported():
 
 
 def test_summary_lists_every_stage():
-    from eth.planner.summary import format_plan
+    from eth.report import format_plan_table, format_search_line
     model, cluster, db, gbs = setup("small memory (tp + recompute)")
     plan = search(model, cluster, db, SearchOptions(gbs=gbs))
-    text = format_plan(plan)
-    rows = [line for line in text.splitlines() if "x" in line and "/" in line and "[" in line]
+    text = format_plan_table(plan)
+    rows = [line for line in text.splitlines() if line.strip()[:1].isdigit() and "/" in line]
     assert len(rows) == sum(len(p.stages) for p in plan.pipelines)
-    assert "predicted iteration" in text
     assert any(st.recompute for p in plan.pipelines for st in p.stages)  # memory forced recompute
-    assert "None" not in rows[0] or not plan.pipelines[0].stages[0].recompute
+    assert ("None" in rows[0]) == (not plan.pipelines[0].stages[0].recompute)
+    line = format_search_line(plan)
+    assert f"predicted iteration {plan.predicted['iteration_ms']:.1f} ms" in line
+    assert "search [hpp]" in line
 
 
 def test_random_small_clusters_within_2_percent_of_brute_force():
