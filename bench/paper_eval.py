@@ -34,7 +34,7 @@ import csv
 import importlib.util
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +45,8 @@ SWEEP_VALUES = {"devices": (16, 32, 48, 64, 96, 128),
                 "gbs": (4, 16, 64, 256, 1024, 4096),
                 "seq": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
 QUICK_SWEEPS = {"devices": (16, 32), "gbs": (4, 64, 1024), "seq": (512, 8192)}
+SPEEDUP_CAP = 2.0
+"""Speedups above this are drawn at the top edge of the plot with their value."""
 SWEEP_BASE = {"devices": 64, "gbs": 1024, "seq": 2048}
 LABELS = {"devices": "devices (half 910B2, half 910B4; 8 per node)", "gbs": "global batch size",
           "seq": "sequence length"}
@@ -388,18 +390,19 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
-def write_report(out: Path, command: str, time_limit: float, cache_notes: list[str]) -> None:
+def write_report(out: Path) -> None:
     tables = {p.stem: read_csv(p) for p in sorted(out.glob("*.csv"))}
+    runs = (out / "runs.txt").read_text().splitlines() if (out / "runs.txt").exists() else []
     md = ["# Paper evaluation: HPP vs baselines in one cost model", "",
-          f"Produced by `{command}` (bench/paper_eval.py); per-search time limit "
-          f"{time_limit:g} s (0 = none).  Analytic (roofline) profiles from profiles/ "
+          "Produced by bench/paper_eval.py; the runs that wrote the CSVs in this folder "
+          "(runs.txt: command, per-search time limit, what it wrote, analytic profiles it generated):", ""]
+    md += [f"    {line}" for line in runs]
+    md += ["", "Analytic (roofline) profiles from profiles/ "
           "(ProfileDB.ensure for other sequence lengths); times are predictions of this "
           "repository's cost model and simulator, not measurements.",
           "", "Efficiency = ideal time / simulated time; ideal time = sum over all ops of "
           "eth.model.op_shapes FLOPs x 3 (forward + backward, no recompute) x gbs / "
           "(sum over devices of peak TFLOPS x GEMM_EFFICIENCY 0.6)."]
-    if cache_notes:
-        md += ["", "Analytic profiles generated in this run: " + ", ".join(sorted(cache_notes)) + "."]
     if "table2" in tables:
         md += ["", "## Table 2 models and scales (gbs 1024, seq 2048)", "",
                "HPP speedup range per device pair (simulated iteration time):", ""]
@@ -427,6 +430,7 @@ def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     groups = _group(rows)
     keys = sorted(groups, key=lambda k: {"devices": k[2], "gbs": k[3], "seq": k[4]}[sweep])
@@ -438,22 +442,34 @@ def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
         pts = [(x, groups[k][s].sim_ms / 1e3) for x, k in zip(xs, keys)
                if s in groups[k] and groups[k][s].status == "ok"]
         if pts:
-            ax1.plot(*zip(*pts), marker=markers[s], color=colors[s], label=s)
+            ax1.plot(*zip(*pts), marker=markers[s], color=colors[s], label=s,
+                     lw=2.2 if s == "hpp" else 1.2, zorder=4 if s == "hpp" else 3, alpha=0.9)
         bad = [x for x, k in zip(xs, keys) if s in groups[k] and groups[k][s].status != "ok"]
         if bad:
             ax1.scatter(bad, [0.0] * len(bad), marker="x", s=70, color=colors[s], transform=ax1.get_xaxis_transform(),
                         clip_on=False, zorder=5, label=f"{s}: OOM/infeasible")
     ax1.set_yscale("log")
+    ax1.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax1.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax1.set_ylabel("simulated iteration time (s, log)")
     ax1.set_title("iteration time (x on the axis = no plan fits)")
+    cap, clipped = SPEEDUP_CAP, False
     for s in BASELINES:
         pts = [(x, sp) for x, k in zip(xs, keys) for sp in [_speedup(groups[k].get("hpp"), groups[k].get(s))]
                if sp is not None]
         if pts:
-            ax2.plot(*zip(*pts), marker=markers[s], color=colors[s], label=f"HPP vs {s}")
+            ax2.plot([x for x, _ in pts], [min(y, cap) for _, y in pts], marker=markers[s], color=colors[s],
+                     label=f"HPP vs {s}")
+            for x, y in pts:
+                if y > cap:       # off the scale: drawn at the cap with its value
+                    clipped = True
+                    ax2.annotate(f"{y:.1f}x", (x, cap), textcoords="offset points", xytext=(0, 6),
+                                 ha="center", fontsize=7, color=colors[s])
+    if clipped:
+        ax2.set_ylim(top=cap + 0.12)
     ax2.axhline(1.0, color="black", lw=0.8, ls="--")
     ax2.set_ylabel("speedup of HPP (simulated)")
-    ax2.set_title("HPP speedup over each baseline")
+    ax2.set_title(f"HPP speedup over each baseline (> {SPEEDUP_CAP:g}x: clipped, labelled)")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs)
@@ -494,8 +510,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / ("quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
-    command = "python bench/paper_eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    notes: list[str] = []
+    command = " ".join(["python bench/paper_eval.py"] + list(argv if argv is not None else sys.argv[1:]))
     if not args.report_only:
         from tqdm import tqdm
         mc = make_clusters_module()
@@ -508,12 +523,16 @@ def main(argv=None) -> int:
             write_csv(out / "table3.csv", run_table3(mc, cache))
         total = sum(len(v) for v in groups.values())
         bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
+        done: dict[tuple, list[Row]] = {}     # the sweeps share their base point (and Table 2's)
         try:
             for table, cases in groups.items():
                 rows = []
                 for case in cases:
                     bar.set_description(f"{case.model} {case.pair}-{case.devices} gbs{case.gbs} seq{case.seq}")
-                    rows += run_case(case, mc, cache, args.time_limit, args.strategies)
+                    key = (case.model, case.pair, case.devices, case.gbs, case.seq)
+                    if key not in done:
+                        done[key] = run_case(case, mc, cache, args.time_limit, args.strategies)
+                    rows += [replace(r, table=table) for r in done[key]]
                     bar.update(1)
                 path = out / f"{table}.csv"
                 if path.exists() and (args.models or args.pairs):   # merge partial re-runs
@@ -523,8 +542,14 @@ def main(argv=None) -> int:
                 write_csv(path, rows)
         finally:
             bar.close()
-        notes = sorted(cache.added)
-    write_report(out, command, args.time_limit, notes)
+        wrote = (["table3"] if args.only in (None, "table3") else []) + list(groups)
+        line = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC  {command}  # time limit "
+                f"{args.time_limit:g} s; wrote {', '.join(wrote)}.csv")
+        if cache.added:
+            line += "; analytic profiles generated: " + ", ".join(sorted(cache.added))
+        with (out / "runs.txt").open("a") as fh:
+            fh.write(line + "\n")
+    write_report(out)
     print((out / "paper_eval.md").read_text())
     return 0
 
