@@ -12,6 +12,7 @@ played by the event simulator (eth.simulate).  Written to --out (bench/results/)
 
     table2.csv, sweep_devices.csv, sweep_gbs.csv, sweep_seq.csv   one row per (case, strategy)
     paper_eval.md                                                 tables built from the CSVs
+    plans/*.json        every strategy's plan for GPT-3 13B on b2b4-64 and the paper's Table 3 plans
     sweep_devices.png, sweep_gbs.png, sweep_seq.png               one plot per sweep
 
 Columns: pred_ms = Eq. 5 + Eq. 6 (CostModel.evaluate), sim_ms = simulated iteration
@@ -91,7 +92,11 @@ def table3_plan(strategy: str, model, cluster):
     return Plan(model, cluster, 1024, pipes).validate()
 
 
-def run_table3(mc, cache: ProfileCache) -> list[Row]:
+TABLE3_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
+"""(model, pair, devices, gbs, seq) of the paper's Table 3; our plans for it are saved too."""
+
+
+def run_table3(mc, cache: ProfileCache, save_dir: Path | None = None) -> list[Row]:
     """Rows for the paper's Table 3 plans: status "infeasible" = over memory in our model."""
     from eth.cost import CostModel
     from eth.model import get_model
@@ -103,6 +108,11 @@ def run_table3(mc, cache: ProfileCache) -> list[Row]:
     for strategy in TABLE3_PLANS:
         plan = table3_plan(strategy, model, cluster)
         ev = cost.evaluate(plan)
+        if save_dir is not None:
+            cost.annotate(plan)
+            plan.search = {"strategy": f"paper Table 3 {strategy}"}
+            save_dir.mkdir(parents=True, exist_ok=True)
+            plan.save(save_dir / f"paper-table3-{strategy}.json")
         worst = max(c.memory_bytes / c.capacity_bytes for p in ev["pipelines"] for c in p["costs"])
         sim = simulate(plan, cost).iteration_ms
         ideal = ideal_ms(model, cluster, case.gbs)
@@ -195,7 +205,8 @@ def ideal_ms(model, cluster, gbs: int) -> float:
     return per_sample * gbs / rate * 1e3
 
 
-def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies) -> list[Row]:
+def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies,
+             save_dir: Path | None = None) -> list[Row]:
     from eth.cost import CostModel
     from eth.errors import InfeasibleError, SpecError
     from eth.model import get_model
@@ -231,6 +242,9 @@ def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies)
             row.stages = "+".join(str(len(p.stages)) for p in plan.pipelines)
             row.sim_ms = simulate(plan, cost).iteration_ms
             row.efficiency = ideal / row.sim_ms
+            if save_dir is not None:
+                save_dir.mkdir(parents=True, exist_ok=True)
+                plan.save(save_dir / f"{case.model}-{case.pair}-{case.devices}-{strategy}.json")
         rows.append(row)
     return rows
 
@@ -520,7 +534,7 @@ def main(argv=None) -> int:
             groups = {k: v for k, v in groups.items() if not k.startswith("sweep_")
                       or k.removeprefix("sweep_") in args.sweeps}
         if args.only in (None, "table3"):
-            write_csv(out / "table3.csv", run_table3(mc, cache))
+            write_csv(out / "table3.csv", run_table3(mc, cache, out / "plans"))
         total = sum(len(v) for v in groups.values())
         bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
         done: dict[tuple, list[Row]] = {}     # the sweeps share their base point (and Table 2's)
@@ -531,7 +545,8 @@ def main(argv=None) -> int:
                     bar.set_description(f"{case.model} {case.pair}-{case.devices} gbs{case.gbs} seq{case.seq}")
                     key = (case.model, case.pair, case.devices, case.gbs, case.seq)
                     if key not in done:
-                        done[key] = run_case(case, mc, cache, args.time_limit, args.strategies)
+                        done[key] = run_case(case, mc, cache, args.time_limit, args.strategies,
+                                             out / "plans" if key == TABLE3_CASE else None)
                     rows += [replace(r, table=table) for r in done[key]]
                     bar.update(1)
                 path = out / f"{table}.csv"
