@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from eth.errors import SpecError
+from eth.errors import SpecError, is_count, is_number
 from eth.fileio import read_yaml
 
 CLUSTER_VERSION = 1
@@ -54,9 +54,9 @@ class DeviceType:
     def __post_init__(self):
         for name in ("tflops", "memory_gb", "link_gbps", "mem_bw_gbs"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            if not is_number(value) or value <= 0:
                 raise SpecError(f"device type {self.name}: {name} must be a positive number, got {value!r}")
-        if not isinstance(self.emulate_speed, (int, float)) or self.emulate_speed < 0:
+        if not is_number(self.emulate_speed) or self.emulate_speed < 0:
             raise SpecError(f"device type {self.name}: emulate_speed must be >= 0, got {self.emulate_speed!r}")
 
     @property
@@ -109,7 +109,7 @@ class Cluster:
             self.inter_type_gbps = self.inter_node_gbps
         for key in ("inter_node_gbps", "inter_type_gbps", "intra_node_gbps"):
             value = getattr(self, key)
-            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and key != "intra_node_gbps"):
+            if not is_number(value) or value < 0 or (value == 0 and key != "intra_node_gbps"):
                 raise SpecError(f"cluster.{key} must be a positive number, got {value!r}")
         devices, node = [], 0
         for i, group in enumerate(self.nodes):
@@ -118,7 +118,7 @@ class Cluster:
                                 f"or cluster.device_types (known: {', '.join(sorted(self.types))})")
             for key in ("devices_per_node", "count"):
                 value = getattr(group, key)
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                if not is_count(value):
                     raise SpecError(f"cluster.nodes[{i}].{key} must be a positive integer, got {value!r}")
             for _ in range(group.count):
                 for local in range(group.devices_per_node):

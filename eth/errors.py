@@ -18,3 +18,14 @@ class ProfileError(SpecError):
 
 class InfeasibleError(SpecError):
     """No configuration satisfies the constraints (memory, batch size)."""
+
+
+def is_number(value) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    import math
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_count(value) -> bool:
+    """A positive int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

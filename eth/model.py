@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from eth.errors import SpecError
+from eth.errors import SpecError, is_count, is_number
 
 LAYER_OPS = (
     "1st-layernorm", "qkv", "score", "softmax", "attn-dropout", "context", "attn-dense",
@@ -76,13 +76,15 @@ class ModelSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         for name in ("num_layers", "hidden", "heads", "ffn", "seq_len", "vocab", "kv_heads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_count(value):
                 raise SpecError(f"model.{name} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise SpecError(f"model.hidden {self.hidden} is not divisible by model.heads {self.heads}")
         if self.heads % self.kv_heads:
             raise SpecError(f"model.heads {self.heads} is not divisible by model.kv_heads {self.kv_heads}")
-        if not 0.0 <= self.dropout < 1.0:
+        if not isinstance(self.swiglu, bool):
+            raise SpecError(f"model.swiglu must be true or false, got {self.swiglu!r}")
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise SpecError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
     @property

@@ -113,14 +113,12 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        if not isinstance(data, dict):
-            raise PlanError("plan must be a JSON object")
-        version = data.get("version")
-        if version != PLAN_VERSION:
+        """Parse the JSON form; every field is type-checked and unknown keys are rejected."""
+        _fields(data, ("version", "model", "cluster", "gbs", "pipelines"),
+                ("seq_len", "predicted", "search", "hash"), "plan")
+        version = data["version"]
+        if not _is_int(version) or version != PLAN_VERSION:
             raise PlanError(f"plan.version is {version!r}, this release reads version {PLAN_VERSION}")
-        for key in ("model", "cluster", "gbs", "pipelines"):
-            if key not in data:
-                raise PlanError(f"plan.{key} is missing")
         model = ModelSpec.from_dict(data["model"], where="plan.model")
         if "seq_len" in data and data["seq_len"] != model.seq_len:
             raise PlanError(f"plan.seq_len {data['seq_len']} != plan.model.seq_len {model.seq_len}")
@@ -130,21 +128,28 @@ class Plan:
         pipelines = []
         for i, p in enumerate(data["pipelines"]):
             where = f"plan.pipelines[{i}]"
-            _require(p, ("mbs", "lbs", "stages"), where)
+            _fields(p, ("mbs", "lbs", "stages"), ("predicted",), where)
             if not isinstance(p["stages"], list) or not p["stages"]:
                 raise PlanError(f"{where}.stages must be a non-empty list")
             stages = []
-            for j, s in enumerate(p["stages"]):
-                _require(s, ("ranks", "device_type", "tp", "dp", "layers"), f"{where}.stages[{j}]")
-                layers = s["layers"]
-                if not (isinstance(layers, list) and len(layers) == 2):
-                    raise PlanError(f"{where}.stages[{j}].layers must be [start, end), got {layers!r}")
-                stages.append(StagePlan(list(s["ranks"]), s["device_type"], s["tp"], s["dp"],
-                                        (layers[0], layers[1]), dict(s.get("recompute", {})),
-                                        dict(s.get("predicted", {}))))
-            pipelines.append(PipelinePlan(p["mbs"], p["lbs"], stages, dict(p.get("predicted", {}))))
-        return cls(model, cluster, data["gbs"], pipelines, dict(data.get("predicted", {})),
-                   dict(data.get("search", {})), version)
+            for j, st in enumerate(p["stages"]):
+                sw = f"{where}.stages[{j}]"
+                _fields(st, ("ranks", "device_type", "tp", "dp", "layers"), ("recompute", "predicted"), sw)
+                layers, ranks = st["layers"], st["ranks"]
+                if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
+                    raise PlanError(f"{sw}.layers must be [start, end) integers, got {layers!r}")
+                if not (isinstance(ranks, list) and ranks and all(map(_is_int, ranks))):
+                    raise PlanError(f"{sw}.ranks must be a non-empty list of integers, got {ranks!r}")
+                if not isinstance(st["device_type"], str):
+                    raise PlanError(f"{sw}.device_type must be a string, got {st['device_type']!r}")
+                recompute = _mapping(st.get("recompute", {}), f"{sw}.recompute")
+                stages.append(StagePlan(list(ranks), st["device_type"], st["tp"], st["dp"],
+                                        (layers[0], layers[1]), recompute,
+                                        _mapping(st.get("predicted", {}), f"{sw}.predicted")))
+            pipelines.append(PipelinePlan(p["mbs"], p["lbs"], stages,
+                                          _mapping(p.get("predicted", {}), f"{where}.predicted")))
+        return cls(model, cluster, data["gbs"], pipelines, _mapping(data.get("predicted", {}), "plan.predicted"),
+                   _mapping(data.get("search", {}), "plan.search"), version)
 
     def validate(self) -> "Plan":
         """Raise PlanError naming the field and numbers for the first inconsistency."""
@@ -172,6 +177,8 @@ class Plan:
                 except SpecError as exc:
                     raise PlanError(f"{sw}: {exc}") from None
                 start, end = s.layers
+                if not (_is_int(start) and _is_int(end)):
+                    raise PlanError(f"{sw}.layers must be integers, got {list(s.layers)}")
                 if start != expect or end <= start:
                     raise PlanError(f"{sw}.layers is [{start}, {end}) but must start at layer "
                                     f"{expect} and hold at least one layer")
@@ -179,11 +186,11 @@ class Plan:
                 for op, n in s.recompute.items():
                     if op not in LAYER_OPS:
                         raise PlanError(f"{sw}.recompute names unknown op {op!r}")
-                    if not isinstance(n, int) or not 0 <= n <= s.num_layers:
+                    if not _is_int(n) or not 0 <= n <= s.num_layers:
                         raise PlanError(f"{sw}.recompute[{op!r}] is {n!r}, must be in "
                                         f"[0, {s.num_layers}] (the stage's layers)")
                 for r in s.ranks:
-                    if not isinstance(r, int) or not 0 <= r < world:
+                    if not _is_int(r) or not 0 <= r < world:
                         raise PlanError(f"{sw}.ranks has {r!r}, cluster ranks are 0..{world - 1}")
                     if r in used:
                         raise PlanError(f"rank {r} is used twice: {used[r]} and {sw}")
@@ -215,14 +222,27 @@ def load_plan(path) -> Plan:
     return Plan.from_dict(read_json(path, "plan", PlanError)).validate()
 
 
-def _require(obj, keys, where):
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fields(obj, required, optional, where) -> None:
     if not isinstance(obj, dict):
-        raise PlanError(f"{where} must be an object")
-    missing = [k for k in keys if k not in obj]
+        raise PlanError(f"{where} must be an object, got {type(obj).__name__}")
+    missing = [k for k in required if k not in obj]
     if missing:
         raise PlanError(f"{where} is missing field(s) {missing}")
+    unknown = sorted(set(obj) - set(required) - set(optional))
+    if unknown:
+        raise PlanError(f"{where} has unknown field(s) {unknown}; known: {sorted(required + optional)}")
+
+
+def _mapping(value, where) -> dict:
+    if not isinstance(value, dict):
+        raise PlanError(f"{where} must be an object, got {value!r}")
+    return dict(value)
 
 
 def _positive_int(value, where):
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise PlanError(f"{where} must be a positive integer, got {value!r}")

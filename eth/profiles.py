@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eth.cluster import DeviceType
-from eth.errors import ProfileError
+from eth.errors import ProfileError, is_count, is_number
 from eth.fileio import atomic_write_text, read_json
 from eth.model import ALL_OPS, ModelSpec, op_shapes
 
@@ -54,6 +54,7 @@ KERNEL_OVERHEAD_MS = 0.01    # launch + synchronisation cost per op and pass
 RESERVED_BYTES = 1.0e9       # framework context + allocator workspace per device
 COLLECTIVE_ALPHA_MS = 0.005  # per-step latency of a ring collective / p2p message
 DEFAULT_MBS = (1, 2, 4, 8, 16, 32)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DEFAULT_TP = (1, 2, 4, 8)
 
 
@@ -94,9 +95,16 @@ class DeviceProfile:
         self.device = data["device"]
         self.source = data["source"]
         # bytes per parameter element in weight_bytes (2 unless the profile says otherwise)
-        self.dtype_bytes = float((data.get("provenance") or {}).get("dtype_bytes", 2))
-        if self.dtype_bytes <= 0:
-            raise ProfileError(f"{where}.provenance.dtype_bytes must be positive, got {self.dtype_bytes}")
+        provenance = data.get("provenance") or {}
+        if not isinstance(provenance, dict):
+            raise ProfileError(f"{where}.provenance must be an object, got {provenance!r}")
+        self.dtype_bytes = provenance.get("dtype_bytes", 2)
+        if not is_number(self.dtype_bytes) or self.dtype_bytes <= 0:
+            raise ProfileError(f"{where}.provenance.dtype_bytes must be a positive number, "
+                               f"got {self.dtype_bytes!r}")
+        if not isinstance(data["models"], list):
+            raise ProfileError(f"{where}.models must be a list")
+        _check_collectives(data.get("collectives"), where)
         # shape -> {tp: sorted [(mbs, {op: OpCost}, reserved)]}
         self._table: dict[tuple, dict[int, list]] = {}
         self._names: dict[tuple, str] = {}
@@ -106,23 +114,30 @@ class DeviceProfile:
                 shape = tuple(m["shape"][f] for f in SHAPE_FIELDS)
             except (KeyError, TypeError):
                 raise ProfileError(f"{mw}.shape must give {list(SHAPE_FIELDS)}") from None
+            if not all(is_number(v) or isinstance(v, bool) for v in shape):
+                raise ProfileError(f"{mw}.shape must hold numbers, got {m['shape']}")
             self._names[shape] = m.get("name", "?")
             by_tp = self._table.setdefault(shape, {})
             for j, e in enumerate(m.get("entries", [])):
                 ew = f"{mw}.entries[{j}]"
+                if not isinstance(e, dict) or not isinstance(e.get("ops"), dict):
+                    raise ProfileError(f"{ew} must be an object with an ops object")
                 mbs, tp = e.get("mbs"), e.get("tp")
-                if not (isinstance(mbs, int) and mbs > 0 and isinstance(tp, int) and tp > 0):
+                if not (is_count(mbs) and is_count(tp)):
                     raise ProfileError(f"{ew}: mbs and tp must be positive integers, got {mbs!r}, {tp!r}")
+                reserved = e.get("reserved_bytes", RESERVED_BYTES)
+                if not is_number(reserved) or reserved < 0:
+                    raise ProfileError(f"{ew}.reserved_bytes must be a number >= 0, got {reserved!r}")
                 ops = {}
                 for op in ALL_OPS:
-                    values = e.get("ops", {}).get(op)
+                    values = e["ops"].get(op)
                     if not (isinstance(values, list) and len(values) == len(OP_FIELDS)):
                         raise ProfileError(f"{ew}.ops[{op!r}] must be a list of {len(OP_FIELDS)} "
                                            f"numbers {list(OP_FIELDS)}, got {values!r}")
-                    if any(not isinstance(v, (int, float)) or v < 0 for v in values):
+                    if any(not is_number(v) or v < 0 for v in values):
                         raise ProfileError(f"{ew}.ops[{op!r}] has a negative or non-numeric value: {values}")
                     ops[op] = OpCost(*map(float, values))
-                by_tp.setdefault(tp, []).append((mbs, ops, float(e.get("reserved_bytes", RESERVED_BYTES))))
+                by_tp.setdefault(tp, []).append((mbs, ops, float(reserved)))
             for tp, rows in by_tp.items():
                 rows.sort(key=lambda r: r[0])
                 mbs_list = [r[0] for r in rows]
@@ -158,6 +173,24 @@ class DeviceProfile:
     def collective_table(self, kind: str, n: int):
         table = (self.data.get("collectives") or {}).get(kind, {}).get(str(n))
         return sorted(table) if table else None
+
+
+def _check_collectives(table, where) -> None:
+    if table is None:
+        return
+    if not isinstance(table, dict):
+        raise ProfileError(f"{where}.collectives must be an object")
+    for kind, by_n in table.items():
+        if kind not in COLLECTIVES or not isinstance(by_n, dict):
+            raise ProfileError(f"{where}.collectives.{kind}: kind must be one of {list(COLLECTIVES)} "
+                               f"mapping group size to [[bytes, ms], ...]")
+        for n, rows in by_n.items():
+            ok = str(n).isdigit() and int(n) >= 2 and isinstance(rows, list) and rows and all(
+                isinstance(r, list) and len(r) == 2 and is_number(r[0]) and is_number(r[1])
+                and r[0] > 0 and r[1] >= 0 for r in rows)
+            if not ok:
+                raise ProfileError(f"{where}.collectives.{kind}[{n!r}] must map a group size >= 2 to "
+                                   f"[[bytes > 0, ms >= 0], ...], got {rows!r}")
 
 
 def _interpolate(rows, mbs):

@@ -66,6 +66,8 @@ def test_presets_match_table2_and_param_counts():
     (dict(hidden=10, heads=3), "hidden 10 is not divisible by model.heads 3"),
     (dict(num_layers=0), "num_layers must be a positive integer"),
     (dict(dropout=1.5), "dropout"),
+    (dict(dropout=None), "dropout must be in"),
+    (dict(swiglu="yes"), "swiglu must be true or false"),
     (dict(heads=2, kv_heads=3, hidden=12), "heads 2 is not divisible by model.kv_heads 3"),
 ])
 def test_model_validation(kwargs, message):

@@ -100,7 +100,17 @@ def test_failed_save_keeps_old_file(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(version=2), "plan.version is 2"),
-    (lambda d: d.pop("pipelines"), "plan.pipelines is missing"),
+    (lambda d: d.pop("pipelines"), r"plan is missing field\(s\) \['pipelines'\]"),
+    (lambda d: d.update(version=True), "plan.version is True"),
+    (lambda d: d.update(recomptue={}), r"plan has unknown field\(s\) \['recomptue'\]"),
+    (lambda d: d["pipelines"][1]["stages"][0].update(recomptue={"gelu": 1}),
+     r"stages\[0\] has unknown field\(s\) \['recomptue'\]"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(layers=[0.0, 4.0]), r"layers must be \[start, end\) integers"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(ranks=7), "ranks must be a non-empty list of integers, got 7"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(recompute=None), "recompute must be an object, got None"),
+    (lambda d: d["pipelines"][1]["stages"][0].update(recompute={"softmax": True}), r"recompute\['softmax'\] is True"),
+    (lambda d: d["pipelines"][0].update(predicted=[1]), r"pipelines\[0\].predicted must be an object"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(device_type=3), "device_type must be a string, got 3"),
     (lambda d: d["pipelines"][0]["stages"][0].pop("tp"), r"stages\[0\] is missing field\(s\) \['tp'\]"),
     (lambda d: d.update(seq_len=99), "plan.seq_len 99 != plan.model.seq_len 4"),
     (lambda d: d["model"].update(hidden=-8), "model.hidden must be a positive integer"),

@@ -50,6 +50,14 @@ def test_missing_entries_are_clear_errors():
     (lambda d: d["models"][0]["entries"][0]["ops"]["gelu"].__setitem__(0, -1.0), "negative"),
     (lambda d: d["models"][0]["entries"][0].update(mbs=0), "mbs and tp must be positive"),
     (lambda d: d["models"][0]["shape"].pop("vocab"), r"shape must give"),
+    (lambda d: d["models"][0]["shape"].update(hidden="64"), r"shape must hold numbers"),
+    (lambda d: d["models"][0]["entries"][0]["ops"]["qkv"].__setitem__(1, float("nan")), "negative or non-numeric"),
+    (lambda d: d["models"][0]["entries"][0].update(reserved_bytes=-5e9), "reserved_bytes must be a number >= 0"),
+    (lambda d: d["models"][0]["entries"][0].update(reserved_bytes="big"), "reserved_bytes must be a number >= 0"),
+    (lambda d: d["models"][0]["entries"][0].update(ops=[]), r"entries\[0\] must be an object with an ops object"),
+    (lambda d: d.update(provenance={"dtype_bytes": "two"}), "dtype_bytes must be a positive number, got 'two'"),
+    (lambda d: d.update(collectives={"all_reduce": {"4": [[0, 1.0]]}}), r"collectives.all_reduce\['4'\] must map"),
+    (lambda d: d.update(collectives={"broadcast": {}}), "collectives.broadcast: kind must be one of"),
 ])
 def test_validation_names_the_field(mutate, message, tmp_path):
     data = flat_profile()
