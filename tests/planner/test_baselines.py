@@ -26,6 +26,7 @@ CASES = {
     "2A+2R gbs12": (M4, A2R2, {}, 12),
     "4A+4R gbs4": (M4, A4R4, {}, 4),
     "small memory (tp + recompute)": (M6, A2R2, SMALL_MEM, 16),
+    "one type, 4A": (M4, [{"type": "A100", "devices_per_node": 4}], {}, 16),
     "2x(1A+1R) nodes": (M4, [{"type": "A100", "devices_per_node": 1, "count": 2},
                              {"type": "RTX3090", "devices_per_node": 1, "count": 2}], {}, 16),
 }

@@ -105,14 +105,17 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
     need = model.num_params() * cost.bytes_per_param
     ks = [k for k in divisors(math.gcd(*counts)) if gbs % k == 0]
     best = Best()
-    tried = 0
+    tried, too_small = 0, []
     bar = progress_bar(len(ks), options.progress, "hexiscale")
     try:
         for k in ks:
             bar.update(1)
             per = tuple(c // k for c in counts)
             mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
-            if mem < need or clock.out():
+            if mem < need:
+                too_small.append(k)
+                continue
+            if clock.out():
                 continue
             lbs = gbs // k
             mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
@@ -138,4 +141,7 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
     why = (f"tried {tried} stage groups over k in {ks} identical pipelines (k must divide the "
            f"type counts {dict(zip(unit.types, counts))} and gbs {gbs}); none fits in memory "
            f"with dp = 1 per stage (tp <= devices per node)")
+    if too_small:
+        why += (f"; for k in {too_small} one pipeline's devices hold less than the model's "
+                f"{need / 1e9:.1f} GB of weights, gradients and optimizer states")
     return finish("hexiscale", best, cost, clock, options, why, cost_evaluations=ev.evaluations)
