@@ -5,6 +5,7 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
 
     Tf_j = sum over ops of fwd(op, mbs/dp, tp)           profiled op times
          + TP all-reduces (forward)                        collective_ms, tp group link
+                                                           (measured tables inside a node)
          + p2p send of the output activation to the next stage (not last stage)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
@@ -183,8 +184,9 @@ class CostModel:
             parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
             for part, count in parts:
                 f_sizes, b_sizes = tp_allreduces(self.model, micro, part)
-                comm_f = count * sum(collective_ms("all_reduce", tp, b * scale, link) for b in f_sizes)
-                comm_b = count * sum(collective_ms("all_reduce", tp, b * scale, link) for b in b_sizes)
+                table = self._measured(prof, device_type, link)
+                comm_f = count * sum(collective_ms("all_reduce", tp, b * scale, link, table) for b in f_sizes)
+                comm_b = count * sum(collective_ms("all_reduce", tp, b * scale, link, table) for b in b_sizes)
                 fwd += comm_f
                 bwd += comm_b
                 comm += comm_f + comm_b
@@ -192,16 +194,18 @@ class CostModel:
             redo = recompute.get("attn-dense", 0) + recompute.get("mlp-gemm-2", 0)
             if redo:
                 per = collective_ms("all_reduce", tp, tp_allreduces(self.model, micro, "layer")[0][0] * scale,
-                                    link)
+                                    link, self._measured(prof, device_type, link))
                 recompute_ms += redo * per
                 comm += redo * per
         bwd += recompute_ms
         boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES * scale
         send_f = send_b = 0.0
         if not last:
-            send_f = collective_ms("p2p", 2, boundary, self._p2p_link(device_type, ranks, next_ranks))
+            link = self._p2p_link(device_type, ranks, next_ranks)
+            send_f = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
         if not first:
-            send_b = collective_ms("p2p", 2, boundary, self._p2p_link(device_type, ranks, prev_ranks))
+            link = self._p2p_link(device_type, ranks, prev_ranks)
+            send_b = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
         fwd += send_f
         bwd += send_b
         comm += send_f + send_b
@@ -232,6 +236,12 @@ class CostModel:
             saved += (n - prev) * per_layer
             prev = n
         return saved
+
+    def _measured(self, prof, device_type, link):
+        """The profile, whose measured collective tables (taken inside one node) apply only
+        to collectives over the intra-node link; None (alpha-beta model) otherwise."""
+        intra = self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
+        return prof if link == intra else None
 
     def _link(self, device_type, ranks, tp):
         if ranks is None or tp <= 1:

@@ -12,6 +12,9 @@ One JSON file per device type (``profiles/<device>.json``), version 1::
                               "ops": {"qkv": [fwd_ms, bwd_ms, ...], ...}}, ...]}],
      "collectives": {"all_reduce": {"2": [[bytes, ms], ...]}, "p2p": {...}}}   # optional
 
+A model entry may carry its own "source" (analytic entries that ``ProfileDB.ensure``
+or ``analytic_profile(base=...)`` add to a measured file say "analytic").
+
 A model is matched by its *shape* (everything that changes one layer's cost; the
 layer count does not).  Look-up rules for ``mbs`` that was not profiled (``tp`` must
 be profiled exactly, since it changes the sharding):
@@ -202,14 +205,19 @@ def _interpolate(rows, mbs):
         m0, ops0, res0 = rows[0] if i == 0 else rows[-1]
         scale = mbs / m0
         return {op: _scale(c, scale) for op, c in ops0.items()}, res0
-    if i == len(rows):
-        (m0, ops0, res0), (m1, ops1, _) = rows[-2], rows[-1]
-    else:
-        (m0, ops0, res0), (m1, ops1, _) = rows[i - 1], rows[i]
+    above = i == len(rows)
+    (m0, ops0, res0), (m1, ops1, res1) = (rows[-2], rows[-1]) if above else (rows[i - 1], rows[i])
     w = (mbs - m0) / (m1 - m0)
-    return {op: OpCost(*(a + w * (b - a) if f != "weight_bytes" else a
-                         for f, a, b in zip(OP_FIELDS, _vals(ops0[op]), _vals(ops1[op]))))
-            for op in ops0}, res0
+    ops = {}
+    for op in ops0:
+        values = []
+        for f, a, b in zip(OP_FIELDS, _vals(ops0[op]), _vals(ops1[op])):
+            v = a if f == "weight_bytes" else a + w * (b - a)
+            # beyond the largest size a noisy (decreasing) pair must not make it cheaper
+            values.append(max(v, b) if above else v)
+        ops[op] = OpCost(*values)
+    reserved = max(res1, res0 + w * (res1 - res0)) if above else res0 + w * (res1 - res0)
+    return ops, reserved
 
 
 def _vals(c: OpCost):
@@ -307,7 +315,7 @@ def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
         entries = [{"mbs": m, "tp": t, "reserved_bytes": RESERVED_BYTES,
                     "ops": analytic_op_costs(device, model, m, t)}
                    for t in tp if _tp_ok(model, t) for m in mbs]
-        data["models"].append({"name": model.name,
+        data["models"].append({"name": model.name, "source": "analytic",
                                "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
                                "entries": entries})
     return data

@@ -136,3 +136,22 @@ def test_parameter_count_uses_the_profile_element_size(tiny, cpu_cluster):
     # activations travel in the profiled dtype too: 4-byte elements double the boundary send
     send = fp32.stage_cost("cpu", 1, 1, (0, 2), 1, num_stages=2).send_fwd_ms
     assert send == pytest.approx(128 / (10e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS)
+
+
+def test_measured_collective_tables_apply_inside_a_node(tiny):
+    from _foundation_data import flat_profile
+    from eth.cluster import Cluster
+    from eth.profiles import DeviceProfile, ProfileDB
+    data = flat_profile()
+    data["collectives"] = {"all_reduce": {"2": [[1, 0.5], [1000, 0.5]]}, "p2p": {"2": [[1, 0.25], [1000, 0.25]]}}
+    db = ProfileDB({"cpu": DeviceProfile(data)})
+    two_nodes = Cluster.from_dict({"inter_node_gbps": 1, "nodes": [{"type": "cpu", "devices_per_node": 2, "count": 2}]})
+    cm = CostModel(tiny, two_nodes, db)
+    st = lambda ranks, tp, layers: NS(ranks=ranks, tp=tp, dp=1, layers=layers, device_type="cpu", recompute={})
+    c = cm.pipeline_costs(NS(mbs=1, lbs=2, stages=[st([0, 1], 2, (0, 2)), st([2, 3], 2, (2, 4))]))
+    # tp groups {0,1} and {2,3} are inside a node: the table's 0.5 ms per all-reduce;
+    # the stage boundary 0 -> 2 crosses nodes: alpha-beta at 1 Gbit/s
+    assert c[0].fwd_ms == pytest.approx(2 * 13 + 1 + (2 * 2 + 1) * 0.5 + 64 / (1e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS)
+    one_node = CostModel(tiny, Cluster.from_dict({"inter_node_gbps": 1, "nodes": [{"type": "cpu", "devices_per_node": 4}]}), db)
+    c1 = one_node.pipeline_costs(NS(mbs=1, lbs=2, stages=[st([0, 1], 2, (0, 2)), st([2, 3], 2, (2, 4))]))
+    assert c1[0].send_fwd_ms == 0.25                         # measured p2p inside the node

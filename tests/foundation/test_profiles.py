@@ -29,6 +29,15 @@ def test_interpolation_and_extrapolation_rules():
     assert half.act_bytes == pytest.approx(op_shapes(TINY, 1, 1)["score"].act_bytes / 2)
     w = prof.layer_costs(TINY, 3, 1)[0]["qkv"].weight_bytes
     assert w == op_shapes(TINY, 1, 1)["qkv"].weight_bytes                              # weights fixed
+    noisy = flat_profile(mbs=(1, 2))
+    for e in noisy["models"][0]["entries"]:
+        e["reserved_bytes"] = 100.0 * e["mbs"]
+        if e["mbs"] == 2:
+            e["ops"]["qkv"][0] = 0.9                                                  # slower at mbs 1
+    prof2 = DeviceProfile(noisy)
+    ops, reserved = prof2.layer_costs(TINY, 4, 1)
+    assert ops["qkv"].fwd_ms == 0.9 and reserved == 400.0        # never below the largest row
+    assert prof2.layer_costs(TINY, 1.5, 1)[1] == 150.0           # reserved interpolated
     one = DeviceProfile(flat_profile(mbs=(2,)))
     assert one.layer_costs(TINY, 6, 1)[0]["qkv"].fwd_ms == pytest.approx(6.0)
 
