@@ -7,8 +7,11 @@ on its last stage.  Activations are [seq, batch, hidden] (Megatron's layout).
 
 Each transformer layer runs the 13 ops of ``eth.model.LAYER_OPS`` as separate
 callables (:attr:`Layer.OPS`), so that single ops can be recomputed:
-``stage.recompute[op] = n`` wraps ``op`` of the stage's first n layers in
-``torch.utils.checkpoint`` (RNG states, including megatron's tracker, are replayed).
+``stage.recompute[op] = n`` recomputes ``op`` in the stage's first n layers.  In a
+layer, each maximal run of consecutive recomputed ops (``eth.cost.recompute_runs``)
+is ONE non-reentrant ``torch.utils.checkpoint`` (RNG states, including megatron's
+tracker, are replayed), so the layer keeps only the run's inputs -- the cost model's
+assumption (``eth.cost.CostModel._recompute_savings``).
 
 Weights do not depend on the plan: every full parameter is drawn from a generator
 seeded by (seed, logical name) and each tp rank keeps its slice
@@ -18,6 +21,7 @@ seeded by (seed, logical name) and each tp rank keeps its slice
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -139,6 +143,8 @@ class Layer(torch.nn.Module):
         super().__init__()
         h, f, cfg, tp = spec.hidden, spec.ffn, _config(), tp_group.size()
         self.index, self.tracker, self.recompute, self.dropout = index, tracker, recompute, spec.dropout
+        self.segments = self.plan_segments(recompute)
+        self._op_by_name = {op[0]: op for op in self.OPS}
         self.local_heads, self.head_dim = spec.heads // tp, spec.head_dim
         self.ln1 = torch.nn.LayerNorm(h, eps=LN_EPS)
         self.qkv = ColumnParallelLinear(h, 3 * h, config=cfg, init_method=_no_init, bias=True,
@@ -209,16 +215,56 @@ class Layer(torch.nn.Module):
         saved = {}
         return lambda: (_rng_replay(self.tracker, saved, False), _rng_replay(self.tracker, saved, True))
 
+    @classmethod
+    def plan_segments(cls, recompute) -> list[tuple[tuple, tuple, tuple]]:
+        """The layer's forward as segments (ops, input names, output names).
+
+        A maximal run of consecutive recomputed ops (``eth.cost.recompute_runs``, the
+        cost model's unit) is one segment, run under ONE checkpoint: it keeps only the
+        run's inputs (tensors produced before it) and frees everything its ops save.
+        Every other op is a segment of its own, run plainly.  Outputs are the names the
+        segment produces that a later op (or the layer output "out") reads."""
+        from eth.cost import recompute_runs
+
+        runs = {run[0]: tuple(run) for run in recompute_runs(set(recompute))}
+        by_name = {op[0]: op for op in cls.OPS}
+        segments, i = [], 0
+        while i < len(cls.OPS):
+            name = cls.OPS[i][0]
+            ops = runs.get(name, (name,))
+            produced, inputs = [], []
+            for op in ops:
+                for n in by_name[op][2]:
+                    if n not in produced and n not in inputs:
+                        inputs.append(n)
+                produced.append(by_name[op][3])
+            later = {n for op in cls.OPS[i + len(ops):] for n in op[2]} | {"out"}
+            outputs = tuple(n for n in produced if n in later)
+            segments.append((ops, tuple(inputs), outputs))
+            i += len(ops)
+        return segments
+
+    def _run_ops(self, ops, inputs, outputs, *args):
+        env = dict(zip(inputs, args))
+        for op in ops:
+            _, method, names, output = self._op_by_name[op]
+            env[output] = getattr(self, method)(*[env[n] for n in names])
+        return tuple(env[n] for n in outputs)
+
     def forward(self, x):
         env = {"x": x}
-        for name, method, inputs, output in self.OPS:
-            fn = getattr(self, method)
-            args = [env[i] for i in inputs]
-            if name in self.recompute and torch.is_grad_enabled():
-                env[output] = checkpoint(fn, *args, use_reentrant=False,
-                                         context_fn=self._rng_contexts())
+        for ops, inputs, outputs in self.segments:
+            args = [env[n] for n in inputs]
+            if len(ops) == 1 and ops[0] not in self.recompute:
+                _, method, _, output = self._op_by_name[ops[0]]
+                env[output] = getattr(self, method)(*args)
+                continue
+            fn = functools.partial(self._run_ops, ops, inputs, outputs)
+            if torch.is_grad_enabled():
+                results = checkpoint(fn, *args, use_reentrant=False, context_fn=self._rng_contexts())
             else:
-                env[output] = fn(*args)
+                results = fn(*args)
+            env.update(zip(outputs, results))
         return env["out"]
 
 
