@@ -49,11 +49,9 @@ from dataclasses import dataclass, field
 
 from eth.cluster import Cluster
 from eth.errors import SpecError
-from eth.model import ACT_BYTES, LAYER_OPS, ModelSpec, tp_allreduces
+from eth.model import ACT_BYTES, LAYER_OPS, POST_OPS, PRE_OPS, ModelSpec, tp_allreduces
 from eth.profiles import ProfileDB, collective_ms
 
-PRE_OPS_ONLY = ("embedding",)
-POST_OPS_ONLY = ("final-layernorm", "head+loss")
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ class CostModel:
         act = nl * sum(c.act_bytes for c in layer_ops)
         recompute_ms = sum(ops[op].fwd_ms * n for op, n in recompute.items())
         act -= self._recompute_savings(ops, recompute)
-        extra = (PRE_OPS_ONLY if first else ()) + (POST_OPS_ONLY if last else ())
+        extra = (PRE_OPS if first else ()) + (POST_OPS if last else ())
         for op in extra:
             fwd += ops[op].fwd_ms
             bwd += ops[op].bwd_ms
@@ -268,7 +266,6 @@ class CostModel:
         """AR_i^j (ms) for every stage j of every pipeline i (see module docstring)."""
         L = self.model.num_layers
         per_layer = self.model.params_per_layer()
-        h, v, s = self.model.hidden, self.model.vocab, self.model.seq_len
         result, groups = [], {}
         for i, p in enumerate(pipelines):
             row = []
@@ -287,7 +284,8 @@ class CostModel:
                     grad = per_layer / st.tp * self.grad_bytes
                     total += (span_end - l) * eq6_allreduce_ms(grad, n, groups[key])
                     l = span_end
-                for edge, params in (("first", v * h + s * h), ("last", v * h + 2 * h)):
+                for edge, params in (("first", self.model.embedding_params()),
+                                     ("last", self.model.head_params())):
                     holds = (start == 0) if edge == "first" else (end == L)
                     if holds:
                         holders = [q.stages[0] if edge == "first" else q.stages[-1] for q in pipelines]

@@ -105,11 +105,17 @@ class ModelSpec:
         f1 = 2 * f if self.swiglu else f
         return (2 * h) + (h * qkv + qkv) + (h * h + h) + (2 * h) + (h * f1 + f1) + (f * h + h)
 
+    def embedding_params(self) -> int:
+        """Word + learned position embedding (held by every first stage)."""
+        return self.vocab * self.hidden + self.seq_len * self.hidden
+
+    def head_params(self) -> int:
+        """Final layernorm + untied output layer (held by every last stage)."""
+        return 2 * self.hidden + self.vocab * self.hidden
+
     def num_params(self) -> int:
-        """All parameters: layers, word + position embedding, final layernorm, untied head."""
-        h = self.hidden
-        return (self.num_layers * self.params_per_layer() + self.vocab * h + self.seq_len * h
-                + 2 * h + self.vocab * h)
+        """All parameters: layers, embedding, final layernorm and head."""
+        return self.num_layers * self.params_per_layer() + self.embedding_params() + self.head_params()
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -384,11 +384,10 @@ def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:
     for a, b in zip(cuts, cuts[1:]):
         holders = tuple((i, _stage_index(p, a)) for i, p in enumerate(pipes))
         parts.setdefault(holders, []).append((f"L{a}-{b - 1}", (b - a) * model.params_per_layer()))
-    h = model.hidden
     first = tuple((i, 0) for i in range(len(pipes)))
     last = tuple((i, len(p.stages) - 1) for i, p in enumerate(pipes))
-    parts.setdefault(first, []).insert(0, ("emb", model.vocab * h + model.seq_len * h))
-    parts.setdefault(last, []).append(("head", model.vocab * h + 2 * h))
+    parts.setdefault(first, []).insert(0, ("emb", model.embedding_params()))
+    parts.setdefault(last, []).append(("head", model.head_params()))
 
     blocks = []
     for holders, items in parts.items():
