@@ -24,6 +24,7 @@ import functools
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 
 import yaml
 
@@ -68,11 +69,11 @@ _TYPE_FIELDS = {f.name for f in fields(DeviceType)} - {"name"}
 
 
 @functools.lru_cache(maxsize=1)
-def catalog() -> dict[str, DeviceType]:
-    """The shipped device catalog (eth/data/devices.yaml)."""
+def catalog() -> MappingProxyType:
+    """The shipped device catalog (eth/data/devices.yaml), read-only."""
     text = resources.files("eth").joinpath("data/devices.yaml").read_text()
     data = yaml.safe_load(text)
-    return {name: DeviceType(name=name, **entry) for name, entry in data["devices"].items()}
+    return MappingProxyType({name: DeviceType(name=name, **entry) for name, entry in data["devices"].items()})
 
 
 @dataclass(frozen=True)

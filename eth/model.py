@@ -28,6 +28,7 @@ see :func:`tp_allreduces`.  This module is pure arithmetic (no torch).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from types import MappingProxyType
 
 from eth.errors import SpecError, is_count, is_number
 
@@ -136,7 +137,7 @@ class ModelSpec:
 
 # Table 2 of the paper (layers, hidden); heads keep a head dimension of 64-128 as in
 # GPT-3 / Megatron-LM.  LLaMA-2 70B uses its published shape (GQA 8, SwiGLU 28672).
-PRESETS = {
+PRESETS = MappingProxyType({
     "gpt3-350m": ModelSpec("gpt3-350m", 24, 1024, 16),
     "gpt3-1.3b": ModelSpec("gpt3-1.3b", 24, 2048, 16),
     "gpt3-2.6b": ModelSpec("gpt3-2.6b", 32, 2560, 32),
@@ -148,7 +149,7 @@ PRESETS = {
     # Small shapes for CPU training runs and tests.
     "tiny": ModelSpec("tiny", 4, 64, 4, seq_len=32, vocab=256, dropout=0.0),
     "small": ModelSpec("small", 8, 128, 8, seq_len=64, vocab=512, dropout=0.0),
-}
+})
 
 
 def get_model(name: str, **overrides) -> ModelSpec:

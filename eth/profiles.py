@@ -40,6 +40,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from eth.cluster import DeviceType
 from eth.errors import ProfileError, is_count, is_number
@@ -370,7 +371,7 @@ ACESO_FILE = re.compile(r"^(?P<model>[A-Za-z0-9.-]+)_(?P<size>[^_]+(?:_[^_]+)*?)
 ACESO_HEADER = ["op_name", "forward-compute", "backward-compute", "input_size", "output_size",
                 "weights", "activations", "fwd_reserved", "bwd_reserved"]
 # Aceso's op names (encoder prefix stripped) -> ours.
-ACESO_ALIASES = {
+ACESO_ALIASES = MappingProxyType({
     "embedding": "embedding", "encoder-embedding": "embedding",
     "1st-layernorm": "1st-layernorm", "attention-qkv": "qkv", "attention-score": "score",
     "attention-softmax": "softmax", "attention-dropout": "attn-dropout",
@@ -379,7 +380,7 @@ ACESO_ALIASES = {
     "mlp-gemm-1": "mlp-gemm-1", "mlp-gelu": "gelu", "mlp-gemm-2": "mlp-gemm-2",
     "post-mlp-dropout": "post-mlp-dropout", "final-layernorm": "final-layernorm",
     "gpt-post-process": "head+loss", "post-process": "head+loss",
-}
+})
 
 
 def _aceso_op(name: str) -> str | None:
