@@ -5,8 +5,11 @@ more pipelines per type).  Each pipeline is optimised alone with the HPP stage
 optimiser (phase 1, :func:`eth.planner.pipeline.optimise_pipeline`, Eq. 1 with
 B = Gbs), the local batches are balanced with the HPP allocation (phase 2,
 :func:`eth.planner.allocate.allocate`, Eq. 2-5 with Eq. 6 on concrete ranks), and the
-best ``refine_top`` splits are refined with their Lbs (phase 3,
-:func:`eth.planner.pipeline.refine_pipeline`) and re-allocated.
+best ``REFINE_TOP`` splits are refined with their Lbs (phase 3,
+:func:`eth.planner.pipeline.refine_pipeline`), re-allocated and polished as a group
+(:func:`polish_group`, like the HPP search's final polish: the cross-pipeline
+All-Reduce of Eq. 6 couples the pipelines' tp and layer splits).  If the phase-1 Mbs
+admit no exact split of Gbs, the Mbs are freed (:func:`_allocate`).
 
 Search space: for every type, every integer partition of its blocks (the HPP
 enumeration's granularity, :func:`eth.planner.enumerate.make_blocks`) into pipelines;
