@@ -37,27 +37,28 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from types import MappingProxyType
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("hpp", "uniform", "metis", "hexiscale", "typesplit")
 BASELINES = STRATEGIES[1:]
 SWEEPS = ("devices", "gbs", "seq")
-SWEEP_VALUES = {"devices": (16, 32, 48, 64, 96, 128),
-                "gbs": (4, 16, 64, 256, 1024, 4096),
-                "seq": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
-QUICK_SWEEPS = {"devices": (16, 32), "gbs": (4, 64, 1024), "seq": (512, 8192)}
+SWEEP_VALUES = MappingProxyType({"devices": (16, 32, 48, 64, 96, 128),
+                                 "gbs": (4, 16, 64, 256, 1024, 4096),
+                                 "seq": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)})
+QUICK_SWEEPS = MappingProxyType({"devices": (16, 32), "gbs": (4, 64, 1024), "seq": (512, 8192)})
 SPEEDUP_CAP = 2.0
 """Speedups above this are drawn at the top edge of the plot with their value."""
-SWEEP_BASE = {"devices": 64, "gbs": 1024, "seq": 2048}
-LABELS = {"devices": "devices (half 910B2, half 910B4; 8 per node)", "gbs": "global batch size",
-          "seq": "sequence length"}
+SWEEP_BASE = MappingProxyType({"devices": 64, "gbs": 1024, "seq": 2048})
+LABELS = MappingProxyType({"devices": "devices (half 910B2, half 910B4; 8 per node)",
+                           "gbs": "global batch size", "seq": "sequence length"})
 
 
 # Paper appendix A, Table 3 (GPT-3 13B on 4x8 910B2 + 4x8 910B4, gbs 1024): the plans the
 # paper reports for each system.  Per pipeline (mbs, lbs, stages); per stage (device
 # type, devices, tp, layers, {recomputed op: layers}); dp = devices / tp.  They are
 # re-evaluated in this repository's cost model and simulator (section "table3").
-TABLE3_PLANS = {
+TABLE3_PLANS = MappingProxyType({
     "metis": [(4, 1024, [("910B2", 8, 2, 5, {}), ("910B2", 8, 2, 6, {}), ("910B2", 8, 4, 7, {}),
                          ("910B2", 8, 2, 6, {}), ("910B4", 8, 8, 3, {}), ("910B4", 8, 8, 4, {}),
                          ("910B4", 8, 4, 4, {}), ("910B4", 8, 4, 5, {})])],
@@ -72,7 +73,7 @@ TABLE3_PLANS = {
             (8, 680, [("910B2", 8, 8, 8, {"softmax": 6, "attn-dropout": 6}),
                       ("910B2", 8, 8, 9, {"softmax": 4, "attn-dropout": 4}),
                       ("910B2", 8, 4, 11, {}), ("910B2", 8, 4, 12, {})])],
-}
+})
 
 
 def table3_plan(strategy: str, model, cluster):
