@@ -45,9 +45,9 @@ def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int) -> tup
     for j, (st, (a, b)) in enumerate(zip(state.stages, state.layer_ranges())):
         params = (b - a) * m.params_per_layer()
         if a == 0:
-            params += m.vocab * m.hidden + m.seq_len * m.hidden
+            params += m.embedding_params()
         if b == m.num_layers:
-            params += m.vocab * m.hidden + 2 * m.hidden
+            params += m.head_params()
         ar.append(eq6_allreduce_ms(params / st.tp * ev.cost.grad_bytes, k, links[j]))
     return (0.0, max(eq5_end_times(e.costs, lbs, state.mbs, ar))), e
 
