@@ -159,8 +159,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr_at(iteration)
         self.optimizer.zero_grad(set_to_none=True)
-        clock = ComputeClock(self.speed, synchronize=None if backend.is_cpu
-                             else lambda: compat.synchronize(backend))
+        clock = ComputeClock(self.speed, cuda_events=not backend.is_cpu)  # CUDA: events, no syncs
         loss = one_f_one_b(self.model, topo, self.comm, lambda mb: self._batch(iteration, mb),
                            1.0 / self.plan.gbs, clock)
         self.sync.sync()
@@ -170,7 +169,7 @@ class Trainer:
         stats = torch.zeros(1 + num_pipes, dtype=torch.float64, device=backend.device)
         if topo.tp_rank == 0:
             stats[0] = loss.item()
-        stats[1 + topo.pipeline] = clock.seconds
+        stats[1 + topo.pipeline] = clock.total_seconds()
         summed = stats.clone()
         dist.all_reduce(summed)                      # loss: sum over last-stage replicas
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute: slowest rank of each pipeline
