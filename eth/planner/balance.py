@@ -132,8 +132,11 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int) -> list[Pipe
 
 
 def balance(ev: Evaluator, state: PipeState, batch: int, ranks, budget: int,
-            current: Evaluation | None = None) -> tuple[PipeState, Evaluation, int]:
-    """Bottleneck alleviation from ``state``; returns (state, evaluation, evaluations spent)."""
+            current: Evaluation | None = None, stop=None) -> tuple[PipeState, Evaluation, int]:
+    """Bottleneck alleviation from ``state``; returns (state, evaluation, evaluations spent).
+
+    ``stop()`` (optional) is polled before every round; when it returns true the best
+    state so far is returned (the search's time limit)."""
     memo: dict = {}
 
     def cost(s):
@@ -145,7 +148,7 @@ def balance(ev: Evaluator, state: PipeState, batch: int, ranks, budget: int,
     cur = current or cost(state)
     memo[state] = cur
     spent = 1
-    while spent < budget:
+    while spent < budget and not (stop is not None and stop()):
         order = sorted(range(len(state.stages)),
                        key=lambda j: (-(cur.costs[j].memory_bytes > cur.costs[j].capacity_bytes),
                                       -cur.costs[j].total_ms, j))

@@ -100,35 +100,61 @@ def _sub_vectors(total, upper):
             yield v
 
 
-def device_groups(total: tuple[int, ...], parts: int, ok=None):
+class TimeUp(Exception):
+    """Raised by :func:`count_groups` when its ``stop`` callable says time is up."""
+
+
+def device_groups(total: tuple[int, ...], parts: int, ok=None, stop=None):
     """Lazily yield the vector partitions of ``total`` into exactly ``parts`` parts.
 
     Each group is a tuple of block vectors in non-increasing lexicographic order (so
-    every unordered multiset appears once).  ``ok(vec)`` filters pipelines.
+    every unordered multiset appears once).  ``ok(vec)`` filters pipelines.  The
+    generation ends early (silently) once ``stop()`` returns true; it is polled every
+    few hundred steps.
     """
     ok = ok or (lambda v: True)
+    ticks = [0]
+
+    def halted():
+        ticks[0] += 1
+        return stop is not None and ticks[0] % 256 == 0 and stop()
 
     def rec(rest, upper, k):
-        if k == 0:
-            if not any(rest):
-                yield ()
+        if k == 1:  # the last part is what is left
+            if any(rest) and rest <= upper and ok(rest):
+                yield (rest,)
             return
         if sum(rest) < k:
             return
         for v in _sub_vectors(rest, upper):
+            if halted():
+                raise TimeUp
             if not ok(v):
                 continue
             remaining = tuple(a - b for a, b in zip(rest, v))
             for tail in rec(remaining, v, k - 1):
                 yield (v,) + tail
 
-    yield from rec(tuple(total), tuple(total), parts)
+    if parts < 1:
+        return
+    try:
+        yield from rec(tuple(total), tuple(total), parts)
+    except TimeUp:
+        return
 
 
-def count_groups(total: tuple[int, ...], parts: int, ok=None) -> int:
-    """Number of groups :func:`device_groups` yields, by memoised recursion."""
+def count_groups(total: tuple[int, ...], parts: int, ok=None, limit: int | None = None,
+                 stop=None) -> int:
+    """Number of groups :func:`device_groups` yields, by memoised recursion.
+
+    With ``limit`` the count saturates: any number above ``limit`` is returned as
+    ``limit + 1`` (and the recursion stops summing there).  ``stop()`` is polled every
+    few hundred steps; when it returns true :class:`TimeUp` is raised.
+    """
     ok = ok or (lambda v: True)
     ok_cache: dict = {}
+    cap = None if limit is None else limit + 1
+    ticks = [0]
 
     def good(v):
         if v not in ok_cache:
@@ -137,13 +163,23 @@ def count_groups(total: tuple[int, ...], parts: int, ok=None) -> int:
 
     @functools.lru_cache(maxsize=None)
     def rec(rest, upper, k):
-        if k == 0:
-            return 0 if any(rest) else 1
+        if k == 1:
+            return 1 if any(rest) and rest <= upper and good(rest) else 0
         if sum(rest) < k:
             return 0
-        return sum(rec(tuple(a - b for a, b in zip(rest, v)), v, k - 1)
-                   for v in _sub_vectors(rest, upper) if good(v))
+        n = 0
+        for v in _sub_vectors(rest, upper):
+            ticks[0] += 1
+            if stop is not None and ticks[0] % 256 == 0 and stop():
+                raise TimeUp
+            if good(v):
+                n += rec(tuple(a - b for a, b in zip(rest, v)), v, k - 1)
+                if cap is not None and n >= cap:
+                    return cap
+        return n
 
+    if parts < 1:
+        return 0
     return rec(tuple(total), tuple(total), parts)
 
 

@@ -85,14 +85,22 @@ def _normalise(value: float, peers: list[float]) -> float:
 
 
 def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
-                      topk: int, max_stages: int) -> PipelineResult | None:
-    """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built."""
+                      topk: int, max_stages: int, stop=None) -> PipelineResult | None:
+    """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built.
+
+    ``stop()`` (optional; the search's time limit) is polled between stage groups and
+    inside the balancer: once it returns true, the remaining stage groups are neither
+    warm-started nor balanced and the best configuration so far is returned (a warm
+    start that did not get the balancer counts too)."""
+    halted = stop if stop is not None else (lambda: False)
     groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages)
     if not groups:
         return None
     budgets = adaptive_budgets(ev.cost.cluster, groups, base_budget)
     starts = []
     for g, budget in zip(groups, budgets):
+        if starts and halted():
+            break
         ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
         init = initial_state(ev, g.stages, batch, ranks)
         if init is not None:
@@ -100,19 +108,26 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     if not starts:
         return None
     starts.sort(key=lambda x: (x[0], x[1]))
+    chosen = starts[:topk] if topk else starts
     done = []
-    for i, (_, _, g, ranks, (state, e), budget) in enumerate(starts[:topk] if topk else starts):
-        state, e, _ = balance(ev, state, batch, ranks, budget, e)
+    for i, (_, _, g, ranks, (state, e), budget) in enumerate(chosen):
+        if done and halted():
+            # out of time: the remaining warm starts compete unbalanced
+            done += [(e0.key, k, PipelineResult(tuple(vec), batch, g0, s0, e0, r0))
+                     for k, (_, _, g0, r0, (s0, e0), _) in enumerate(chosen) if k >= i]
+            break
+        state, e, _ = balance(ev, state, batch, ranks, budget, e, stop)
         done.append((e.key, i, PipelineResult(tuple(vec), batch, g, state, e, ranks)))
     done.sort(key=lambda x: (x[0], x[1]))
     others = tuple(r for _, _, r in done[1:MAX_ALTERNATIVES + 1] if r.feasible)
     return replace(done[0][2], alternatives=others)
 
 
-def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int) -> PipelineResult:
+def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int,
+                    stop=None) -> PipelineResult:
     """Phase 3: re-balance ``result``'s configuration for its local batch ``lbs``."""
     start = result.state
     if start.mbs > lbs:
         return result
-    state, e, _ = balance(ev, start, lbs, result.ranks, budget)
+    state, e, _ = balance(ev, start, lbs, result.ranks, budget, stop=stop)
     return PipelineResult(result.vec, lbs, result.group, state, e, result.ranks)

@@ -47,8 +47,9 @@ def _halved(search, r: PipelineResult, lbs: int) -> PipelineResult | None:
 
 
 def finer_microbatches(search, cand: Candidate) -> Candidate:
-    """Halve Mbs (of one pipeline, or of all at once) while re-allocation lowers Eq. 2."""
-    while True:
+    """Halve Mbs (of one pipeline, or of all at once) while re-allocation lowers Eq. 2
+    (and the search's time limit is not reached)."""
+    while not search._out_of_time():
         halved = [_halved(search, r, p.lbs) for r, p in zip(cand.results, cand.plan.pipelines)]
         moves = [[i] for i, h in enumerate(halved) if h is not None]
         if len(moves) > 1:
@@ -64,6 +65,7 @@ def finer_microbatches(search, cand: Candidate) -> Candidate:
         if best is None:
             return cand
         cand = best
+    return cand
 
 
 def variant_allocation(search, results: list[PipelineResult]) -> Candidate | None:
@@ -127,14 +129,20 @@ def _moves(search, r: PipelineResult):
 
 def polish(search, cand: Candidate, budget: int) -> Candidate:
     """Re-plan each pipeline for its Lbs (all stage groups), steepest descent on the whole
-    group's Eq. 2 over :func:`_moves`, then free-Mbs allocation."""
+    group's Eq. 2 over :func:`_moves`, then free-Mbs allocation.  Every step first checks
+    the search's time limit; once it is reached the best candidate so far is returned."""
+    out = search._out_of_time
     for i, p in enumerate(list(cand.plan.pipelines)):
+        if out():
+            return cand
         r = search.phase1(cand.results[i].vec, batch=p.lbs)
         if r is None or not r.feasible:
             continue
         choices = [r, *r.alternatives, *cand.results[i].alternatives]
         best = None
         for choice in choices:
+            if out():
+                break
             trial = list(cand.results)
             trial[i] = choice
             got = search._allocate(trial) or (None, None)
@@ -143,11 +151,11 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
                 best = alt
         cand = best or cand
     spent = 0
-    while spent < budget:
+    while spent < budget and not out():
         best = None
         for i, (r, p) in enumerate(zip(cand.results, cand.plan.pipelines)):
             for state in _moves(search, r):
-                if spent >= budget:
+                if spent >= budget or out():
                     break
                 e = search.ev.evaluate(state, p.lbs, r.ranks)
                 if not e.feasible:
@@ -161,6 +169,8 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
         if best is None:
             break
         cand = best
+    if out():
+        return cand
     final = variant_allocation(search, cand.results)
     if final is not None and final.iteration_ms < cand.iteration_ms:
         cand = final

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,12 +44,13 @@ from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.allocate import Allocation, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.dynprog import split_dp
-from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
+from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
                                    pipeline_can_hold)
 from eth.planner.evaluate import Evaluator
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import Candidate, finer_microbatches, polish, variant_allocation
+from eth.planner.progress import Clock, progress_bar
 from eth.profiles import ProfileDB
 
 
@@ -60,6 +59,11 @@ class SearchStats:
     """Counters recorded in plan.search."""
 
     groups_total: int = 0
+    """Device groups of the pipeline counts that were counted (1..counted_pipelines)."""
+    counted_pipelines: int = 0
+    """Pipeline counts 1..this were counted exactly.  Counting is lazy: it stops once a
+    pipeline count has more than dp_group_limit groups (DP takes over), after DP took
+    over, and at the time limit."""
     groups_evaluated: int = 0
     """Enumerated groups that were fully evaluated."""
     groups_skipped: int = 0
@@ -67,7 +71,7 @@ class SearchStats:
     groups_by_dp: int = 0
     """Groups produced and evaluated by DP (they may repeat enumerated ones)."""
     groups_not_visited: int = 0
-    """Groups never enumerated (handled by DP or cut by the time limit)."""
+    """Counted groups never enumerated (handled by DP or cut by the time limit)."""
     cache_hits: int = 0
     pipelines_optimised: int = 0
     refinements: int = 0
@@ -94,7 +98,7 @@ class HPPSearch:
         self._bound_memo: dict = {}
         self._hold: dict = {}
         self.best: Candidate | None = None
-        self._deadline = math.inf
+        self.clock = Clock(options.time_limit)
         self._window: deque = deque(maxlen=options.dp_window)
         self._dp_done = False
         self._top: list[Candidate] = []
@@ -110,10 +114,10 @@ class HPPSearch:
         return self._hold[vec]
 
     def _out_of_time(self) -> bool:
-        if time.perf_counter() > self._deadline:
+        """True once the time limit is reached (and recorded in the statistics)."""
+        if self.clock.out():
             self.stats.time_limited = True
-            return True
-        return False
+        return self.clock.hit
 
     @property
     def best_throughput(self) -> float:
@@ -129,8 +133,8 @@ class HPPSearch:
             return self._cache[key]
         self.stats.pipelines_optimised += 1
         result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
-                                   self.opt.stage_groups_topk, self.opt.max_stages)
-        if self.opt.cache:
+                                   self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time)
+        if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs:
             self._known[vec] = result.throughput if result is not None else 0.0
@@ -142,8 +146,8 @@ class HPPSearch:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.refinements += 1
-        refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget)
-        if self.opt.cache:
+        refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self._out_of_time)
+        if self.opt.cache and not self.clock.hit:
             self._cache[key] = refined
         return refined
 
@@ -204,6 +208,9 @@ class HPPSearch:
         results = []
         for v in vecs:
             r = self.phase1(v)
+            if r is None and self.clock.hit:
+                self._reason("time limit")
+                return None
             if r is None:
                 self._reason("no pipeline configuration whose mbs divides gbs")
                 return None
@@ -221,7 +228,8 @@ class HPPSearch:
             cand = Candidate(got[0], got[1], results)
         cand = finer_microbatches(self, cand)
         results = cand.results
-        if self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin):
+        if not self._out_of_time() and (
+                self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin)):
             for _ in range(2):
                 lbs = [p.lbs for p in cand.plan.pipelines]
                 refined = [self.phase3(r, n) for r, n in zip(cand.results, lbs)]
@@ -253,30 +261,32 @@ class HPPSearch:
     # ------------------------------------------------------------------ driver
     def run(self) -> Plan:
         opt = self.opt
-        start = time.perf_counter()
-        if opt.time_limit:
-            self._deadline = start + opt.time_limit
+        self.clock = Clock(opt.time_limit)
         total = self.blocks.count
         max_p = min(self.blocks.total, opt.gbs, opt.max_pipelines or self.blocks.total)
-        counts = {p: count_groups(total, p, self.can_hold) for p in range(1, max_p + 1)}
-        self.stats.groups_total = sum(counts.values())
-        bar = _progress(self.stats.groups_total, opt.progress)
-        dp_mode = False
+        limit = opt.dp_group_limit if opt.dp else None
+        if not self.can_hold(total):
+            raise InfeasibleError(self._infeasible_message())
+        bar = progress_bar(0, opt.progress, unit="group")
         try:
             for p in range(1, max_p + 1):
-                if counts[p] == 0:
-                    continue
                 if self._out_of_time():
-                    self.stats.groups_not_visited += counts[p]
-                    continue
-                if opt.dp and (dp_mode or counts[p] > opt.dp_group_limit):
+                    break
+                # counted lazily, saturating above dp_group_limit, polling the clock
+                try:
+                    n = count_groups(total, p, self.can_hold, limit=limit, stop=self._out_of_time)
+                except TimeUp:
+                    break
+                if limit is not None and n > limit:
+                    # too many groups: DP (Eq. 10) covers this and all larger pipeline counts
                     self._mark_dp(p)
-                    dp_mode = True
                     self._run_dp(p)
-                    self.stats.groups_not_visited += counts[p]
-                    bar.update(counts[p])
-                    continue
-                visited = 0
+                    break
+                self.stats.groups_total += n
+                self.stats.counted_pipelines = p
+                bar.total += n
+                bar.refresh()
+                visited, dp_now = 0, False
                 for vecs in self._ordered_groups(p):
                     if self._out_of_time():
                         break
@@ -285,27 +295,33 @@ class HPPSearch:
                     self._visit(vecs)
                     if opt.dp and self._skip_rate_low():
                         self._mark_dp(p)
-                        dp_mode = True
                         self._run_dp(p)
+                        dp_now = True
                         break
-                self.stats.groups_not_visited += counts[p] - visited
+                self.stats.groups_not_visited += n - visited
+                if dp_now:
+                    break
         finally:
             bar.close()
         for cand in list(self._top):
+            if self._out_of_time():
+                break
             better = polish(self, cand, self.opt.polish_budget)
             if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
                 self.best = better
         self.stats.cost_evaluations = self.ev.evaluations
         if self.best is None:
-            raise InfeasibleError(self._infeasible_message(counts))
+            raise InfeasibleError(self._infeasible_message())
         plan = self.best.plan
         self.cost.annotate(plan)
         plan.search = {
-            "strategy": opt.strategy, "time_s": round(time.perf_counter() - start, 3),
+            "strategy": opt.strategy, "time_s": round(self.clock.elapsed(), 3),
             "seed": opt.seed, "options": opt.switches(),
             "blocks": {t: {"devices_per_block": b, "blocks": k}
                        for t, b, k in zip(self.blocks.types, self.blocks.block, self.blocks.count)},
             "candidates": {"groups_total": self.stats.groups_total,
+                           "counted_pipelines": self.stats.counted_pipelines,
+                           "max_pipelines": max_p,
                            "evaluated": self.stats.groups_evaluated,
                            "skipped": self.stats.groups_skipped,
                            "by_dp": self.stats.groups_by_dp,
@@ -324,12 +340,16 @@ class HPPSearch:
             self.stats.dp_triggered_at = p
 
     def _ordered_groups(self, p):
-        groups = device_groups(self.blocks.count, p, self.can_hold)
+        groups = device_groups(self.blocks.count, p, self.can_hold, stop=self._out_of_time)
         if not self.opt.order:
             return groups
         tflops = {t: d.tflops for t, d in self.cluster.types.items()}
-        keyed = [(variance_cost([self._devices(v) for v in g], tflops, self.opt.gbs,
-                                self.model.num_layers), i, g) for i, g in enumerate(groups)]
+        keyed = []
+        for i, g in enumerate(groups):
+            if i % 256 == 0 and self._out_of_time():
+                break
+            keyed.append((variance_cost([self._devices(v) for v in g], tflops, self.opt.gbs,
+                                        self.model.num_layers), i, g))
         keyed.sort(key=lambda x: (x[0], x[1]))
         return (g for _, _, g in keyed)
 
@@ -395,11 +415,11 @@ class HPPSearch:
                 self.stats.groups_by_dp += 1
                 self.evaluate_group(vecs)
 
-    def _infeasible_message(self, counts) -> str:
+    def _infeasible_message(self) -> str:
         need = self.model.num_params() * self.cost.bytes_per_param / 1e9
         have = sum(d.memory_gb * n for d, n in
                    ((self.cluster.types[t], c) for t, c in self.cluster.type_counts().items()))
-        if not any(counts.values()):
+        if not self.can_hold(self.blocks.count):  # not even the whole cluster as one pipeline
             return (f"model {self.model.name} needs {need:.1f} GB for weights, gradients and optimizer "
                     f"states but the cluster has {have:.1f} GB of device memory")
         if self.stats.time_limited and self.stats.groups_evaluated + self.stats.groups_by_dp == 0:
@@ -412,12 +432,6 @@ class HPPSearch:
             lead = (f"gbs {self.opt.gbs} cannot be split into local batches that are whole multiples "
                     f"of the pipelines' mbs for model {self.model.name}")
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="group", leave=False,
-                dynamic_ncols=True)
 
 
 def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:
