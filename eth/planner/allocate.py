@@ -146,47 +146,81 @@ def allocate(lines, mbs, gbs: int, allow_overshoot: bool = False) -> Allocation 
     return None
 
 
+def _spread(bits: int, step: int, copies: int, full: int) -> int:
+    """OR of ``bits << (k * step)`` for k = 0 .. copies-1 (binary doubling), masked to ``full``."""
+    out, offset, block, span = 0, 0, bits, 1
+    while copies:
+        if copies & 1:
+            out |= block << (offset * step)
+            offset += span
+        copies >>= 1
+        if copies:
+            block |= block << (span * step)
+            block &= full
+            span *= 2
+    return out & full
+
+
 def allocate_with_variants(options, gbs: int):
     """Exact Eq. 2-4 when each pipeline may also pick its Mbs among variants.
 
     ``options[i]`` lists ``(mbs, A, B)`` of pipeline i (same stages, different Mbs).
     With f_i(n) = min over variants v with Mbs_v | n of A_v + B_v n / Mbs_v, minimise
     max_i f_i(Lbs_i) subject to sum_i Lbs_i = Gbs: bisection over the candidate values T;
-    T is feasible if Gbs is a sum of one element of each {n : f_i(n) <= T} (subset sums by
-    convolution).  Returns (lbs, variant index per pipeline, max end) or None.
+    T is feasible if Gbs is a sum of one element of each {n : f_i(n) <= T}.
+
+    Reachable sums are bitsets (Python ints, bit r = "r samples reachable").  The set
+    {n : f_i(n) <= T} is the union over variants v of the runs of consecutive multiples
+    c * Mbs_v (c0 <= c <= c1) whose value A_v + B_v c is <= T (one run when B_v >= 0);
+    adding a run to a bitset is a shift by c0 * Mbs_v and an OR of (c1 - c0 + 1) copies
+    spaced Mbs_v apart, built by doubling in O(log gbs) big-integer operations.  One
+    feasibility test is thus O(P * variants * log(gbs) * gbs / 64) word operations
+    instead of P convolutions of length gbs.  Returns (lbs, variant index per pipeline,
+    max end) or None.
     """
     n = np.arange(gbs + 1)
-    tables = []
+    tables, lines = [], []
     for opts in options:
         best = np.full(gbs + 1, np.inf)
         arg = np.full(gbs + 1, -1)
+        per = []
         for k, (m, a, b) in enumerate(opts):
             idx = n[m::m]
+            vals = a + b * idx / m
             val = np.full(gbs + 1, np.inf)
-            val[idx] = a + b * idx / m
+            val[idx] = vals
             better = val < best
             best[better] = val[better]
             arg[better] = k
+            per.append((m, vals))
         tables.append((best, arg))
+        lines.append(per)
     finite = [b[np.isfinite(b)] for b, _ in tables]
     if any(f.size == 0 for f in finite):
         return None
     values = np.unique(np.concatenate(finite))
+    full = (1 << (gbs + 1)) - 1
 
     def layers(t):
-        out = [np.zeros(gbs + 1, dtype=bool)]
-        out[0][0] = True
-        for best, _ in tables:
-            conv = np.convolve(out[-1].astype(np.int64), (best <= t).astype(np.int64))[:gbs + 1]
-            out.append(conv > 0)
+        out = [1]
+        for per in lines:
+            reach, nxt = out[-1], 0
+            for m, vals in per:
+                ok = np.concatenate(([False], vals <= t, [False]))
+                edges = np.flatnonzero(ok[1:] != ok[:-1])   # run starts / ends (c - 1)
+                for c0, c1 in zip(edges[0::2], edges[1::2]):  # c = c0+1 .. c1
+                    shifted = (reach << (int(c0 + 1) * m)) & full
+                    if shifted:
+                        nxt |= _spread(shifted, m, int(c1 - c0), full)
+            out.append(nxt)
         return out
 
-    if not layers(values[-1])[-1][gbs]:
+    if not (layers(values[-1])[-1] >> gbs) & 1:
         return None
     lo, hi = 0, len(values) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if layers(values[mid])[-1][gbs]:
+        if (layers(values[mid])[-1] >> gbs) & 1:
             hi = mid
         else:
             lo = mid + 1
@@ -195,8 +229,10 @@ def allocate_with_variants(options, gbs: int):
     lbs, pick, r = [0] * len(tables), [0] * len(tables), gbs
     for i in range(len(tables) - 1, -1, -1):
         best, arg = tables[i]
-        for k in np.nonzero(best[:r + 1] <= t)[0]:
-            if reach[i][r - k]:
-                lbs[i], pick[i], r = int(k), int(arg[k]), r - int(k)
-                break
+        prev = np.unpackbits(np.frombuffer(reach[i].to_bytes((gbs + 8) // 8, "little"), dtype=np.uint8),
+                             bitorder="little")[:gbs + 1].astype(bool)
+        k = np.arange(r + 1)
+        hit = np.flatnonzero((best[:r + 1] <= t) & prev[r - k])
+        k0 = int(hit[0])
+        lbs[i], pick[i], r = k0, int(arg[k0]), r - k0
     return tuple(lbs), tuple(pick), float(t)

@@ -126,3 +126,88 @@ def test_allocation_with_mbs_variants_is_optimal():
         lbs, pick, end = got
         assert sum(lbs) == gbs and math.isclose(end, best)
         assert all(n % opts[i][k][0] == 0 for i, (n, k) in enumerate(zip(lbs, pick)))
+
+
+def _variants_by_convolution(options, gbs):
+    """The former allocate_with_variants (subset sums by np.convolve, quadratic in gbs):
+    the brute-force reference of the bitset version."""
+    import numpy as np
+    n = np.arange(gbs + 1)
+    tables = []
+    for opts in options:
+        best = np.full(gbs + 1, np.inf)
+        arg = np.full(gbs + 1, -1)
+        for k, (m, a, b) in enumerate(opts):
+            idx = n[m::m]
+            val = np.full(gbs + 1, np.inf)
+            val[idx] = a + b * idx / m
+            better = val < best
+            best[better] = val[better]
+            arg[better] = k
+        tables.append((best, arg))
+    finite = [b[np.isfinite(b)] for b, _ in tables]
+    if any(f.size == 0 for f in finite):
+        return None
+    values = np.unique(np.concatenate(finite))
+
+    def layers(t):
+        out = [np.zeros(gbs + 1, dtype=bool)]
+        out[0][0] = True
+        for best, _ in tables:
+            conv = np.convolve(out[-1].astype(np.int64), (best <= t).astype(np.int64))[:gbs + 1]
+            out.append(conv > 0)
+        return out
+
+    if not layers(values[-1])[-1][gbs]:
+        return None
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if layers(values[mid])[-1][gbs]:
+            hi = mid
+        else:
+            lo = mid + 1
+    t = values[lo]
+    reach = layers(t)
+    lbs, pick, r = [0] * len(tables), [0] * len(tables), gbs
+    for i in range(len(tables) - 1, -1, -1):
+        best, arg = tables[i]
+        for k in np.nonzero(best[:r + 1] <= t)[0]:
+            if reach[i][r - k]:
+                lbs[i], pick[i], r = int(k), int(arg[k]), r - int(k)
+                break
+    return tuple(lbs), tuple(pick), float(t)
+
+
+def test_variant_allocation_equals_the_convolution_reference():
+    from eth.planner.allocate import allocate_with_variants
+    rng = random.Random(11)
+    kinds = {"none": 0, "found": 0}
+    for case in range(300):
+        p = rng.randint(1, 6)
+        gbs = rng.choice([rng.randint(1, 40), rng.randint(40, 400)])
+        opts = []
+        for _ in range(p):
+            sizes = rng.sample([1, 2, 3, 4, 6, 8, 16, 32, 48], rng.randint(1, 4))
+            # integer-valued lines make ties (equal end times) common; a few negative slopes
+            # give runs that are suffixes instead of prefixes
+            if case % 3 == 0:
+                opts.append([(m, float(rng.randint(0, 5)), float(rng.randint(-1, 4))) for m in sizes])
+            else:
+                opts.append([(m, rng.uniform(0, 50), rng.uniform(0.1, 10) * m ** 0.8) for m in sizes])
+        ref = _variants_by_convolution(opts, gbs)
+        got = allocate_with_variants(opts, gbs)
+        assert got == ref, (opts, gbs)
+        kinds["none" if ref is None else "found"] += 1
+    assert kinds["none"] > 10 and kinds["found"] > 100  # both outcomes were exercised
+
+
+def test_variant_allocation_handles_large_batches():
+    from eth.planner.allocate import allocate_with_variants
+    rng = random.Random(3)
+    opts = [[(m, rng.uniform(0, 50), rng.uniform(1, 5) * m ** 0.8) for m in (4, 8, 16)] for _ in range(8)]
+    lbs, pick, end = allocate_with_variants(opts, 8192)
+    assert sum(lbs) == 8192
+    assert all(n % opts[i][k][0] == 0 and n > 0 for i, (n, k) in enumerate(zip(lbs, pick)))
+    assert math.isclose(end, max(opts[i][k][1] + opts[i][k][2] * n / opts[i][k][0]
+                                 for i, (n, k) in enumerate(zip(lbs, pick))))
