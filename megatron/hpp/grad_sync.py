@@ -12,6 +12,9 @@ will replace :meth:`GradSync.sync` behind the same interface):
    one all-reduce over that hold group (topology ``hold`` groups);
 3. each holder copies its tp slice back into ``.grad``.
 
+Blocks held by a single tp group (one replica of one stage) are skipped
+(:func:`needs_reduce`).
+
 Losses are normalised by the global batch (see training), so the sum over pipelines
 and dp replicas is the gradient of the whole global batch.
 
@@ -32,6 +35,14 @@ def _owns(topo, spec) -> bool:
     return topo.pipeline == 0 and topo.dp_rank == 0 and (spec.dim is not None or topo.tp_rank == 0)
 
 
+def needs_reduce(layout, holders) -> bool:
+    """False when the holders of a block are exactly one tp group (one replica of one
+    stage, e.g. every block of a single pipeline of dp 1 stages): its tp ranks already
+    hold complete gradients -- their own shards, and identical copies of tp-replicated
+    parameters -- so there is nothing to reduce across replicas."""
+    return tuple(sorted(holders)) not in {tuple(sorted(g.ranks)) for g in layout.groups if g.kind == "tp"}
+
+
 class GradSync:
     """Fused per-hold-group gradient all-reduce for one stage model (see module docstring)."""
 
@@ -43,7 +54,7 @@ class GradSync:
             ranks = topo.layout.holders[spec.block]
             buckets.setdefault(ranks, (topo.hold_groups[spec.block], []))[1].append((param, spec))
         self.buckets = [(ranks, group, entries) for ranks, (group, entries) in buckets.items()
-                        if len(ranks) > 1]
+                        if needs_reduce(topo.layout, ranks)]
 
     def sync(self) -> None:
         tp, tp_rank = self.topo.stage.tp, self.topo.tp_rank
