@@ -215,6 +215,43 @@ class Topology:
         return self.stage.rank(0, self.dp_rank)
 
 
+def rng_seeds(layout: Layout, rank: int, seed: int) -> tuple[int, int]:
+    """(default generator seed, model-parallel tracker seed) of ``rank``.
+
+    Megatron's convention extended to several pipelines: megatron seeds the default
+    generator with seed + 100 * pipeline-stage rank and the tracker with that + 2718 +
+    tp rank.  Here the stage number is the (pipeline, stage) pair's position among all
+    stages of the plan (pipeline 0 first; for one pipeline it is the stage index, i.e.
+    megatron's seeds).  The default generator (embedding and residual dropouts on
+    tp-replicated activations) is thus identical on the tp ranks of a replica, which
+    must share those masks, and the tracker (attention dropout on a tp rank's own
+    heads) differs per tp rank.  Like megatron without ``data_parallel_random_init``,
+    the seeds do not depend on the dp replica (replicas see different samples)."""
+    slot = layout.slots[rank]
+    stage_uid = sum(len(p.stages) for p in layout.plan.pipelines[:slot.pipeline]) + slot.stage
+    base = seed + 100 * stage_uid
+    return base, base + 2718 + slot.tp_rank
+
+
+def tp_node_warning(layout: Layout, local_world_size: int | None) -> str | None:
+    """One line when, with ``local_world_size`` ranks per node (torchrun places ranks
+    contiguously), some stage's tp group spans several nodes; None otherwise."""
+    if not local_world_size or local_world_size <= 0:
+        return None
+    crossing = [g for g in layout.groups if g.kind == "tp"
+                and len({r // local_world_size for r in g.ranks}) > 1]
+    if not crossing:
+        return None
+    g, cluster = crossing[0], layout.plan.cluster
+    planned = {cluster.devices[r].node for r in g.ranks} if cluster.world_size >= layout.world_size else set()
+    per_node = sorted({n.devices_per_node for n in cluster.nodes})
+    return (f"warning: LOCAL_WORLD_SIZE {local_world_size} puts {len(crossing)} tp group(s) across "
+            f"nodes, e.g. {g.name} (ranks {_ranges(g.ranks)}); the plan's cluster has "
+            f"{'/'.join(map(str, per_node))} devices per node"
+            + (" and keeps that group on one node" if len(planned) == 1 else "")
+            + ": tp collectives will cross the inter-node link")
+
+
 def check_plan(plan: Plan, world_size: int) -> Layout:
     """Build the layout or raise PlanError naming the numbers (before any group exists)."""
     return Layout(plan, world_size)

@@ -3,8 +3,10 @@
 Order of work on every rank (all ranks read the same plan, so all fail alike):
 
 1. load the plan and check it against WORLD_SIZE and the runtime's needs
-   (sum(lbs) == gbs) -- pure Python, before any process group exists, so bad input
-   ends every rank with one line on stderr and exit code 2 instead of a hang;
+   (sum(lbs) == gbs; a --data-path file that exists and holds one sample) -- pure
+   Python, before any process group exists, so bad input ends every rank with one
+   line on stderr and exit code 2 instead of a hang; rank 0 warns (one line) when
+   LOCAL_WORLD_SIZE puts a tp group across nodes;
 2. init the default group (nccl+cuda or gloo+cpu), build the topology (all groups);
 3. build this rank's stage, the gradient sync and AdamW;
 4. per iteration: 1F1B over the pipeline's micro-batches (loss scaled by 1/gbs),
@@ -88,6 +90,9 @@ def prepare(cfg: TrainConfig):
             raise SpecError(f"--data-path needs a byte vocabulary: model vocab {plan.model.vocab} < 256")
         if not os.path.isfile(cfg.data_path):
             raise SpecError(f"data file {cfg.data_path} does not exist")
+        size, need = os.path.getsize(cfg.data_path), plan.model.seq_len + 1
+        if size < need:
+            raise SpecError(f"data file {cfg.data_path} has {size} bytes, a sample needs {need}")
     return plan, layout, rank
 
 
@@ -117,7 +122,7 @@ class Trainer:
         from megatron.hpp.grad_sync import GradSync, make_optimizer
         from megatron.hpp.model import GPTStage
         from megatron.hpp.schedule import StageComm
-        from megatron.hpp.topology import build_topology
+        from megatron.hpp.topology import build_topology, rng_seeds
 
         self.cfg, self.plan, spec = cfg, layout.plan, layout.plan.model
         self.backend = backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
@@ -125,7 +130,8 @@ class Trainer:
             dist.init_process_group(backend.name, rank=rank, world_size=layout.world_size)
         self.topo = topo = build_topology(layout, rank, compat.device_name(backend))
         stage = topo.stage
-        tracker = compat.setup_rng(backend, cfg.seed, cfg.seed + 7919 * (1 + topo.tp_root), topo.tp_rank)
+        stage_seed, _ = rng_seeds(layout, rank, cfg.seed)  # tracker: stage_seed + 2718 + tp rank
+        tracker = compat.setup_rng(backend, stage_seed, stage_seed, topo.tp_rank)
         self.model = GPTStage(spec, stage.layers, topo.is_first, topo.is_last, topo.tp_group, tracker,
                               stage.recompute, cfg.seed).to(backend.device)
         self.model.train()
@@ -216,6 +222,13 @@ def run(cfg: TrainConfig) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    if rank == 0:
+        from megatron.hpp.topology import tp_node_warning
+
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        note = tp_node_warning(layout, int(local) if local and local.isdigit() else None)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     try:
         train(cfg, layout, rank)
     except SpecError as exc:

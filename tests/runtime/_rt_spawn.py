@@ -31,14 +31,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, args: list[str], timeout: float = 120.0) -> list[RankResult]:
-    """Run ``pretrain_gpt.py args`` as ``nproc`` ranks; returns every rank's result."""
+def launch(nproc: int, args: list[str], timeout: float = 120.0,
+           extra_env: dict | None = None) -> list[RankResult]:
+    """Run ``pretrain_gpt.py args`` as ``nproc`` ranks (``extra_env`` on every rank);
+    returns every rank's result."""
     port = free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
+                   PYTHONWARNINGS="ignore", **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *args],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))

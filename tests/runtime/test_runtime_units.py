@@ -114,13 +114,19 @@ def test_bad_input_fails_on_every_rank(tmp_path):
     plans.too_large_gbs_sum().save(tmp_path / "sum.json")
     cases = [(2, tmp_path / "five.json", "plan needs 5 ranks, WORLD_SIZE is 2"),
              (2, tmp_path / "sum.json", "sum of pipeline lbs is 16 but gbs is 12"),
-             (2, tmp_path / "missing.json", "does not exist")]
+             (2, tmp_path / "missing.json", "does not exist"),
+             (3, tmp_path / "three.json", "a sample needs 33")]
+    plans.two_pipelines_different_depth().save(tmp_path / "three.json")
+    (tmp_path / "short.txt").write_bytes(b"x" * 32)  # tiny's seq_len 32 needs 33 bytes
     for nproc, path, message in cases:
-        results = launch(nproc, ["--hpp-plan", str(path), "--train-iters", "2"], timeout=60)
+        extra = ["--data-path", str(tmp_path / "short.txt")] if "sample" in message else []
+        results = launch(nproc, ["--hpp-plan", str(path), "--train-iters", "2", *extra], timeout=60)
         for r in results:
             assert r.returncode == 2, (r.rank, r.returncode, r.stderr)
             lines = r.stderr.strip().splitlines()
             assert len(lines) == 1 and message in lines[0], r.stderr
+            # checked before any process group exists: no rank-prefixed runtime error
+            assert lines[0].startswith("error: ") and not lines[0].startswith("error: rank "), lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +251,37 @@ def test_grad_sync_skips_blocks_held_by_one_tp_group():
     assert "head.out.weight" in tp_dp[3][0][1]
     two = _grad_sync_buckets(plans.same_layers_different_tp())
     assert all([ranks for ranks, _ in two[r]] == [(0, 1, 2)] for r in range(3))
+
+
+def test_rng_seeds_differ_per_stage_not_per_tp_or_dp_replica():
+    from megatron.hpp.topology import rng_seeds
+
+    plan = plans.tp_stage_next_to_dp_stage()        # stages: [0] tp1, [1, 2] tp2, [3, 4] dp 2
+    layout = topology.check_plan(plan, 5)
+    seeds = {r: rng_seeds(layout, r, 1234) for r in range(5)}
+    assert [seeds[r][0] for r in range(5)] == [1234, 1334, 1334, 1434, 1434]  # megatron: +100 * stage
+    assert seeds[1][1] != seeds[2][1] == 1334 + 2718 + 1   # tracker: per tp rank
+    assert seeds[3] == seeds[4]                             # dp replicas of one stage alike
+    two = plans.two_pipelines_different_depth()            # p0: 1 stage, p1: 2 stages
+    layout = topology.check_plan(two, 3)
+    assert len({rng_seeds(layout, r, 7) for r in range(3)}) == 3  # pipeline 1 stage 0 != p0 stage 0
+    big = topology.check_plan(plans.large_1024(), 1024)
+    per_stage = {}
+    for r, slot in enumerate(big.slots):
+        per_stage.setdefault((slot.pipeline, slot.stage), set()).add(rng_seeds(big, r, 1)[0])
+    assert all(len(v) == 1 for v in per_stage.values())
+    assert len({next(iter(v)) for v in per_stage.values()}) == len(per_stage) == 4 * 4 + 4 * 8
+
+
+def test_tp_node_warning():
+    from megatron.hpp.topology import tp_node_warning
+
+    layout = topology.check_plan(plans.tp_stage_next_to_dp_stage(), 5)   # tp group (1, 2)
+    assert tp_node_warning(layout, None) is None and tp_node_warning(layout, 5) is None
+    assert "tp p0 s1 d0" in tp_node_warning(layout, 1)  # one device per node
+    line = tp_node_warning(layout, 2)                  # nodes {0, 1}, {2, 3}, {4}
+    assert line.startswith("warning: LOCAL_WORLD_SIZE 2 puts 1 tp group(s) across nodes")
+    assert "tp p0 s1 d0 (ranks 1..2)" in line and "5 devices per node and keeps that group on one node" in line
+    assert "\n" not in line
+    big = topology.check_plan(plans.large_1024(), 1024)    # tp 8 / tp 4 groups on 8-device nodes
+    assert tp_node_warning(big, 8) is None and tp_node_warning(big, 4).count("tp group") == 1
