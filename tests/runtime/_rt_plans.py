@@ -49,6 +49,19 @@ def same_layers_different_tp() -> Plan:
                     PipelinePlan(2, 8, [stage([2], 1, 1, (0, 4))])])
 
 
+def tp_dp_stage_to_uneven_dp3() -> Plan:
+    """(e) one pipeline, gbs 18, mbs 6, 3 micro-batches: (tp 2, dp 2) on 4 ranks ->
+    (tp 1, dp 3): samples 3 | 3 -> 2 | 2 | 2, so replica 0's second sample and
+    replica 1's first go to one dp 3 rank (uneven overlaps 2+1, 1+2); recompute of
+    multi-op runs on both stages.  7 ranks: a tp 2 x dp 2 stage and a dp 3 stage need
+    4 + 3, and a dp 2 -> dp 3 boundary is the only uneven one a 2-rank rest allows
+    none of."""
+    first = {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 1, "mlp-gemm-1": 1, "gelu": 1}
+    second = {"2nd-layernorm": 2, "mlp-gemm-1": 2, "gelu": 2, "mlp-gemm-2": 1}
+    return make(7, [PipelinePlan(6, 18, [stage([0, 1, 2, 3], 2, 2, (0, 2), first),
+                                         stage([4, 5, 6], 1, 3, (2, 4), second)])], gbs=18)
+
+
 def too_large_gbs_sum() -> Plan:
     """Valid as a plan (sum(lbs) 16 >= gbs 12) but the runtime requires equality."""
     return make(2, [PipelinePlan(2, 8, [stage([0], 1, 1, (0, 4))]),
