@@ -175,8 +175,11 @@ def test_recompute_replays_ops_with_same_dropout_masks(world_of_one):
     spec = replace(get_model("tiny"), dropout=0.2)
     plain_calls, recompute_calls = [], []
     loss_a, grads_a = _stage_grads(world_of_one, spec, {}, plain_calls)
-    recompute = {"softmax": 1, "attn-dropout": 2, "post-attn-dropout": 1, "gelu": 2,
-                 "post-mlp-dropout": 2, "context": 1}
+    # runs of one checkpoint each, with tracker (attention) and default-RNG dropouts:
+    # layer 0 {softmax, attn-dropout, context}, {post-attn-dropout, 2nd-layernorm},
+    # {gelu, mlp-gemm-2, post-mlp-dropout}; layer 1 {attn-dropout}, {gelu, ..., post-mlp-dropout}
+    recompute = {"softmax": 1, "attn-dropout": 2, "post-attn-dropout": 1, "2nd-layernorm": 1,
+                 "gelu": 2, "mlp-gemm-2": 2, "post-mlp-dropout": 2, "context": 1}
     loss_b, grads_b = _stage_grads(world_of_one, spec, recompute, recompute_calls)
     assert len(plain_calls) == 1 and len(recompute_calls) == 2  # softmax of layer 0 re-ran
     assert loss_a == loss_b
