@@ -73,8 +73,8 @@ def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, 
     share = L / len(stages)
     layer_bytes = model.params_per_layer() * ev.cost.bytes_per_param
     chosen = []
-    for t, n in stages:
-        tps = ev.valid_tps(t, n)
+    for j, (t, n) in enumerate(stages):
+        tps = ev.valid_tps(t, n, ranks[j] if ranks else None)
         if not tps:
             return None
         cap = ev.cost.cluster.types[t].memory_bytes
@@ -93,8 +93,9 @@ def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, 
     return best
 
 
-def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int) -> list[PipeState]:
-    """Primitive moves that may relieve stage ``j``."""
+def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) -> list[PipeState]:
+    """Primitive moves that may relieve stage ``j`` (``ranks``: per-stage ranks; tps whose
+    groups would cross nodes on them are not tried)."""
     out = []
     stages = list(state.stages)
     st = stages[j]
@@ -108,7 +109,7 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int) -> list[Pipe
                     new[nb] = replace(stages[nb], layers=stages[nb].layers + k)
                     out.append(PipeState(tuple(new), state.mbs))
     # tp <-> dp exchange
-    tps = ev.valid_tps(st.device_type, st.ndev)
+    tps = ev.valid_tps(st.device_type, st.ndev, ranks[j] if ranks else None)
     for tp in (st.tp * 2, st.tp // 2):
         if tp in tps:
             new = list(stages)
@@ -155,7 +156,7 @@ def balance(ev: Evaluator, state: PipeState, batch: int, ranks, budget: int,
         improved = False
         for j in order[:2]:
             best = None
-            for cand in neighbours(ev, state, j, batch):
+            for cand in neighbours(ev, state, j, batch, ranks):
                 if cand in memo:
                     e = memo[cand]
                 else:

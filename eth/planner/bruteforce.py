@@ -15,7 +15,7 @@ import math
 from eth.cost import CostModel
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.enumerate import (assign_ranks, device_groups, make_blocks, pipeline_can_hold,
-                                   stage_groups)
+                                   plan_tp_in_nodes, stage_groups)
 from eth.planner.evaluate import Evaluator, PipeState, StageState
 
 
@@ -44,7 +44,7 @@ def pipeline_configs(ev: Evaluator, blocks, vec, gbs: int, max_stages: int):
     L = ev.model.num_layers
     for g in stage_groups(blocks.types, blocks.devices(vec), L, max_stages):
         ranks = assign_ranks(blocks, [list(g.stages)])[0]
-        tps = [ev.valid_tps(t, n) for t, n in g.stages]
+        tps = [ev.valid_tps(t, n, r) for (t, n), r in zip(g.stages, ranks)]
         if not all(tps):
             continue
         for split in compositions(L, g.num_stages):
@@ -85,6 +85,8 @@ def brute_force(model, cluster, profiles, gbs: int, max_stages: int = 16,
                               for st, rng, rc, r in zip(state.stages, state.layer_ranges(), rec, rk)]
                     pipes.append(PipelinePlan(state.mbs, state.mbs, stages))
                 plan = Plan(model, cluster, gbs, pipes)
+                if not plan_tp_in_nodes(plan):  # the planner's rule: tp groups stay in a node
+                    continue
                 for lbs in lbs_vectors([s.mbs for _, s, _ in combo], gbs):
                     work += 1
                     if work > limit:

@@ -18,11 +18,14 @@ Paper section 4.2.1 / 4.2.2, with the restrictions that keep large clusters trac
   contiguous and equally sized, with size a power of two dividing the pipeline's count
   of that type (or the whole count); the order of the type blocks is any permutation
   (stage order matters under 1F1B).  1 <= #stages <= min(layers, max_stages).
-* **Ranks** (:func:`assign_ranks`): per type, stages of all pipelines are laid out on
-  that type's ranks (cluster order) by decreasing stage size, pipelines in order, so a
-  power-of-two stage starts at a multiple of its size: a pipeline takes whole nodes where
-  its size allows, and a stage's TP group (tp <= devices per node, tp | stage size)
-  stays inside one node.
+* **Ranks** (:func:`assign_ranks`): per type, stages of all pipelines are placed by
+  decreasing granule g (largest power of two dividing the stage size, at most the
+  devices per node), then decreasing size, each as node-local runs of g ranks (smaller
+  runs only when no such run is left).  With power-of-two sizes this is the contiguous
+  layout by decreasing size (a power-of-two stage starts at a multiple of its size; a
+  pipeline takes whole nodes where its size allows).  A tp is only used if each of its
+  groups lies in one node on the stage's ranks (:meth:`eth.planner.evaluate.Evaluator.valid_tps`
+  with ranks; :func:`plan_tp_in_nodes` for whole plans, which the search requires).
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ class Blocks:
     """Blocks of each type."""
     ranks: tuple[tuple[int, ...], ...]
     """Global ranks of each type, cluster order."""
+    nodes: tuple[tuple[int, ...], ...] = ()
+    """Node of each rank in ``ranks`` (same shape); empty = unknown (ranks are then laid
+    out contiguously by :func:`assign_ranks`)."""
 
     @property
     def total(self) -> int:
@@ -75,15 +81,17 @@ def _block_size(count: int, cap: int) -> int:
 
 def make_blocks(cluster: Cluster, max_blocks_per_type: int) -> Blocks:
     """Cut each type's devices into at most ``max_blocks_per_type`` equal blocks."""
-    types, ranks = [], {}
+    types, ranks, nodes = [], {}, {}
     for d in cluster.devices:
         if d.type not in ranks:
             types.append(d.type)
-            ranks[d.type] = []
+            ranks[d.type], nodes[d.type] = [], []
         ranks[d.type].append(d.rank)
+        nodes[d.type].append(d.node)
     block = tuple(_block_size(len(ranks[t]), max_blocks_per_type) for t in types)
     count = tuple(len(ranks[t]) // b for t, b in zip(types, block))
-    return Blocks(tuple(types), block, count, tuple(tuple(ranks[t]) for t in types))
+    return Blocks(tuple(types), block, count, tuple(tuple(ranks[t]) for t in types),
+                  tuple(tuple(nodes[t]) for t in types))
 
 
 def pipeline_can_hold(cluster: Cluster, blocks: Blocks, vec, model: ModelSpec,
@@ -217,18 +225,74 @@ def stage_groups(types, devices, num_layers: int, max_stages: int) -> list[Stage
     return result
 
 
-def assign_ranks(blocks: Blocks, pipelines, start: dict | None = None) -> list[list[list[int]]]:
+def _granule(size: int, per_node: int) -> int:
+    """Largest power of two dividing ``size`` and at most ``per_node``: every tp that
+    may serve the stage (a power of two, tp | size, tp <= devices per node) divides it."""
+    return min(size & -size, 1 << (per_node.bit_length() - 1))
+
+
+def _take(free: dict, size: int, chunk: int) -> list[int] | None:
+    """``size`` ranks as node-local runs of ``chunk`` ranks (nodes in cluster order, lowest
+    free ranks first); None if the free ranks do not hold that many such runs."""
+    if sum(len(f) // chunk for f in free.values()) * chunk < size:
+        return None
+    out = []
+    for f in free.values():
+        n = min(len(f) // chunk * chunk, size - len(out))
+        out += f[:n]
+        del f[:n]
+        if len(out) == size:
+            break
+    return out
+
+
+def assign_ranks(blocks: Blocks, pipelines) -> list[list[list[int]]]:
     """Concrete ranks: ``pipelines[i]`` is a list of (device_type, size) stages.
 
-    Returns ranks[i][j] (list of global ranks of stage j of pipeline i).  Per type,
-    stages are placed by decreasing size (stable in pipeline, stage order).
+    Returns ranks[i][j] (list of global ranks of stage j of pipeline i).  Per type, the
+    stages are placed by decreasing granule g (the largest power of two dividing the
+    stage size, at most the devices per node) and then decreasing size (stable in
+    pipeline, stage order).  A stage takes its ranks as node-local runs of g consecutive
+    ranks (nodes in cluster order, lowest free ranks first), so the tp groups of any tp
+    that may serve it (tp | g) stay inside one node; when the free ranks no longer hold
+    such runs, the largest smaller power of two that fits is used (down to single
+    ranks).  With power-of-two node and stage sizes this is the contiguous layout by
+    decreasing size: a power-of-two stage starts at a multiple of its size and a
+    pipeline takes whole nodes where its size allows.  Without node information
+    (``blocks.nodes`` empty) stages are laid out contiguously by decreasing size.
     """
     out = [[None] * len(p) for p in pipelines]
-    for t, type_ranks in zip(blocks.types, blocks.ranks):
+    for k, (t, type_ranks) in enumerate(zip(blocks.types, blocks.ranks)):
         items = [(s, i, j) for i, p in enumerate(pipelines) for j, (tt, s) in enumerate(p) if tt == t]
-        items.sort(key=lambda x: (-x[0], x[1], x[2]))
-        cursor = (start or {}).get(t, 0)
+        if not blocks.nodes:
+            items.sort(key=lambda x: (-x[0], x[1], x[2]))
+            cursor = 0
+            for s, i, j in items:
+                out[i][j] = list(type_ranks[cursor:cursor + s])
+                cursor += s
+            continue
+        free: dict = {}
+        for r, node in zip(type_ranks, blocks.nodes[k]):
+            free.setdefault(node, []).append(r)
+        per_node = min(len(f) for f in free.values())
+        items.sort(key=lambda x: (-_granule(x[0], per_node), -x[0], x[1], x[2]))
         for s, i, j in items:
-            out[i][j] = list(type_ranks[cursor:cursor + s])
-            cursor += s
+            chunk = _granule(s, per_node)
+            while (got := _take(free, s, chunk)) is None:
+                chunk //= 2
+                if not chunk:
+                    raise ValueError(f"stages need more than the {len(type_ranks)} devices of type {t}")
+            out[i][j] = got
     return out
+
+
+def tp_groups_in_nodes(cluster: Cluster, ranks, tp: int) -> bool:
+    """True if every tp group of a stage (``ranks[k * tp:(k + 1) * tp]``, the plan's
+    layout) lies inside one node."""
+    dev = cluster.devices
+    return all(len({dev[r].node for r in ranks[k:k + tp]}) == 1 for k in range(0, len(ranks), tp))
+
+
+def plan_tp_in_nodes(plan) -> bool:
+    """:func:`tp_groups_in_nodes` for every stage of a plan."""
+    return all(tp_groups_in_nodes(plan.cluster, st.ranks, st.tp) for p in plan.pipelines for st in p.stages)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from eth.cost import CostModel, StageCost, eq1_pipeline_ms, eq6_allreduce_ms
 from eth.errors import SpecError
 from eth.model import LAYER_OPS
+from eth.planner.enumerate import tp_groups_in_nodes
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,11 @@ class Evaluator:
         self._tps: dict = {}
         self.evaluations = 0
 
-    def valid_tps(self, device_type: str, ndev: int) -> tuple[int, ...]:
-        """tp degrees for a stage: divide ndev, fit in one node, split the model, profiled."""
+    def valid_tps(self, device_type: str, ndev: int, ranks=None) -> tuple[int, ...]:
+        """tp degrees for a stage: divide ndev, fit in one node, split the model, profiled.
+
+        With the stage's ``ranks``, only tps whose groups (``ranks[k*tp:(k+1)*tp]``) each
+        lie inside one node."""
         key = (device_type, ndev)
         if key not in self._tps:
             per_node = min(g.devices_per_node for g in self.cost.cluster.nodes if g.type == device_type)
@@ -109,7 +113,13 @@ class Evaluator:
                     continue
                 ok.append(tp)
             self._tps[key] = tuple(ok)
-        return self._tps[key]
+        if not ranks:
+            return self._tps[key]
+        rkey = (key, tuple(ranks))
+        if rkey not in self._tps:
+            self._tps[rkey] = tuple(tp for tp in self._tps[key]
+                                    if tp_groups_in_nodes(self.cost.cluster, list(ranks), tp))
+        return self._tps[rkey]
 
     def recompute_order(self, device_type: str, micro: int, tp: int) -> list[str]:
         """Layer ops by saved activation bytes per recompute ms, best first."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from eth.plan import Plan
 from eth.planner.allocate import allocate_with_variants, pipeline_line
+from eth.planner.enumerate import plan_tp_in_nodes
 from eth.planner.pipeline import PipelineResult
 
 
@@ -97,6 +98,8 @@ def variant_allocation(search, results: list[PipelineResult]) -> Candidate | Non
     lbs, pick, _ = got
     chosen = [vs[k] for vs, k in zip(variants, pick)]
     plan = search.build_plan(chosen, list(lbs))
+    if not plan_tp_in_nodes(plan):
+        return None
     ev = search.cost.evaluate(plan)
     if not ev["feasible"]:
         return None
@@ -112,7 +115,7 @@ def _moves(search, r: PipelineResult):
         yield replace(r.state, mbs=mbs // 2)
     for j, st in enumerate(stages):
         for tp in (st.tp * 2, st.tp // 2):
-            if tp in search.ev.valid_tps(st.device_type, st.ndev) and mbs % (st.ndev // tp) == 0:
+            if tp in search.ev.valid_tps(st.device_type, st.ndev, r.ranks[j]) and mbs % (st.ndev // tp) == 0:
                 new = list(stages)
                 new[j] = replace(st, tp=tp)
                 yield replace(r.state, stages=tuple(new))

@@ -45,7 +45,7 @@ from eth.planner.allocate import Allocation, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
-                                   pipeline_can_hold)
+                                   pipeline_can_hold, plan_tp_in_nodes)
 from eth.planner.evaluate import Evaluator
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
@@ -182,6 +182,10 @@ class HPPSearch:
 
     def _allocate(self, results) -> tuple[Plan, float] | None:
         plan = self.build_plan(results, [r.state.mbs for r in results])
+        if not plan_tp_in_nodes(plan):
+            # the group's layout (assign_ranks) left no node-local place for a tp group
+            self._reason("a tp group would cross nodes")
+            return None
         ar = self.cost.stage_allreduce_ms(plan.pipelines)
         lines = [pipeline_line(r.evaluation.costs, r.state.mbs, a) for r, a in zip(results, ar)]
         alloc: Allocation | None = allocate(lines, [r.state.mbs for r in results], self.opt.gbs,

@@ -80,3 +80,43 @@ def test_1024_devices_stay_enumerable():
     assert total == 8406  # vector partitions of (8, 8)
     g = next(device_groups(b.count, 3))
     assert sum(v[0] for v in g) == 8 and sum(b.devices(v)[0] for v in g) == 512
+
+
+def _tp_ok(cluster, ranks, tp):
+    return all(len({cluster.devices[r].node for r in ranks[k:k + tp]}) == 1 for k in range(0, len(ranks), tp))
+
+
+def test_assign_ranks_keeps_power_of_two_chunks_in_a_node_for_odd_sizes():
+    # 4 devices per node: a 3-device stage placed before 2-device stages used to push
+    # them across the node boundary (ranks 3, 4)
+    c = make_cluster([{"type": "910B2", "devices_per_node": 4, "count": 2}])
+    b = make_blocks(c, 8)
+    pipelines = [[("910B2", 3)], [("910B2", 2)], [("910B2", 2)], [("910B2", 1)]]
+    ranks = assign_ranks(b, pipelines)
+    assert sorted(r for p in ranks for s in p for r in s) == list(range(8))
+    assert _tp_ok(c, ranks[1][0], 2) and _tp_ok(c, ranks[2][0], 2)
+    # 6-device stage (granule 2) next to 2-device stages
+    ranks = assign_ranks(b, [[("910B2", 6)], [("910B2", 2)]])
+    assert _tp_ok(c, ranks[0][0], 2) and _tp_ok(c, ranks[1][0], 2)
+
+
+def test_assign_ranks_with_three_devices_per_node():
+    c = make_cluster([{"type": "A100", "devices_per_node": 3, "count": 2}])
+    b = make_blocks(c, 8)
+    ranks = assign_ranks(b, [[("A100", 2), ("A100", 1)], [("A100", 2), ("A100", 1)]])
+    assert sorted(r for p in ranks for s in p for r in s) == list(range(6))
+    assert _tp_ok(c, ranks[0][0], 2) and _tp_ok(c, ranks[1][0], 2)
+    # three 2-device stages on two 3-device nodes: two of them can stay node-local
+    ranks = assign_ranks(b, [[("A100", 2)], [("A100", 2)], [("A100", 2)]])
+    assert sum(_tp_ok(c, p[0], 2) for p in ranks) == 2
+    # a single pipeline's 2-device stages: first node-local, the leftover pair crosses
+    ranks = assign_ranks(b, [[("A100", 2), ("A100", 2), ("A100", 2)]])
+    assert sum(_tp_ok(c, s, 2) for s in ranks[0]) == 2
+
+
+def test_assign_ranks_without_node_information_is_contiguous():
+    from eth.planner.enumerate import Blocks
+    c = make_cluster([{"type": "A100", "devices_per_node": 3, "count": 2}])
+    b = make_blocks(c, 8)
+    bare = Blocks(b.types, b.block, b.count, b.ranks)
+    assert assign_ranks(bare, [[("A100", 1)], [("A100", 3)], [("A100", 2)]]) == [[[5]], [[0, 1, 2]], [[3, 4]]]
