@@ -71,3 +71,19 @@ def test_time_limit_before_anything_is_a_clear_error():
     db = profiles_for(M4, cluster)
     with pytest.raises(InfeasibleError, match="time limit .* reached before any device group"):
         search(M4, cluster, db, SearchOptions(gbs=16, time_limit=1e-9))
+
+
+def test_one_clock_and_progress_bar_for_search_and_baselines():
+    import math
+
+    from eth.planner import progress, search as search_module
+    from eth.planner.baselines import common
+    assert common.Clock is progress.Clock and common.progress_bar is progress.progress_bar
+    assert search_module.Clock is progress.Clock and search_module.progress_bar is progress.progress_bar
+    free = Clock(0)
+    assert not free.out() and free.deadline == math.inf and not free.hit
+    late = Clock(0.5, start=time.perf_counter() - 1.0)
+    assert late.out() and late.hit and late.deadline < time.perf_counter()
+    bar = progress.progress_bar(3, False)
+    bar.update(3)
+    bar.close()

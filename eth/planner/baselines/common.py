@@ -8,14 +8,14 @@ search (Eq. 5 + Eq. 6 and the per-device memory check) and emits the same
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from eth.cost import CostModel
 from eth.errors import InfeasibleError, SpecError
 from eth.model import LAYER_OPS
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.evaluate import Evaluator, PipeState, StageState
+from eth.planner.progress import Clock, progress_bar  # noqa: F401  (re-exported to the baselines)
 
 BASELINES = ("uniform", "metis", "hexiscale", "typesplit")
 """Baseline strategies implemented by :func:`eth.planner.baselines.plan_baseline`."""
@@ -106,23 +106,6 @@ def make_evaluator(cost: CostModel, options: "BaselineOptions") -> Evaluator:
 
 
 @dataclass
-class Clock:
-    """Deadline of one search; ``out()`` records that the limit was hit."""
-
-    limit: float
-    start: float = field(default_factory=time.perf_counter)
-    hit: bool = False
-
-    def out(self) -> bool:
-        if self.limit and time.perf_counter() - self.start > self.limit:
-            self.hit = True
-        return self.hit
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-
-@dataclass
 class Best:
     """Best feasible plan seen so far (by the cost model's iteration time)."""
 
@@ -182,11 +165,3 @@ def finish(strategy: str, best: Best, cost: CostModel, clock: Clock, options: Ba
                    "options": asdict(options), "candidates": {"evaluated": best.evaluated},
                    "time_limited": clock.hit, **extra}
     return plan.validate()
-
-
-def progress_bar(total: int, enabled: bool, desc: str):
-    import sys
-
-    from tqdm import tqdm
-    return tqdm(total=total, disable=not enabled, file=sys.stderr, desc=desc, leave=False,
-                dynamic_ncols=True)
