@@ -40,41 +40,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     args = parse_args(argv)
-    from eth.errors import SpecError
-    try:
-        from eth.cluster import load_cluster
-        from eth.model import get_model
-        from eth.planner.options import SearchOptions
-        from eth.planner.search import search
-        from eth.report import format_plan_table, format_search_line
-        from eth.profiles import ProfileDB
+    from eth.cluster import load_cluster
+    from eth.model import get_model
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.profiles import ProfileDB
+    from eth.report import format_plan_table, format_search_line
 
-        model = get_model(args.model, seq_len=args.seq)
-        cluster = load_cluster(args.cluster)
-        db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
-        added = db.ensure(model, cluster.types.values())
-        options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
-                                skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
-                                alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
-                                max_blocks_per_type=args.max_blocks_per_type,
-                                max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
-                                progress=not args.no_progress)
-        plan = search(model, cluster, db, options)
-        if added:  # said after the search so that an error stays a single line
-            plan.search["analytic_profiles"] = added
-            print(f"note: analytic profiles (roofline estimates) for {model.name} on "
-                  f"{', '.join(added)}", file=sys.stderr)
-        print(format_plan_table(plan))
-        print(format_search_line(plan))
-        if args.output:
-            plan.save(args.output)
-            print(f"wrote {args.output}")
-    except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    model = get_model(args.model, seq_len=args.seq)
+    cluster = load_cluster(args.cluster)
+    db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
+    added = db.ensure(model, cluster.types.values())
+    options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
+                            skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
+                            alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
+                            max_blocks_per_type=args.max_blocks_per_type,
+                            max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
+                            progress=not args.no_progress)
+    plan = search(model, cluster, db, options)
+    if added:  # said after the search so that an error stays a single line
+        plan.search["analytic_profiles"] = added
+        print(f"note: analytic profiles (roofline estimates) for {model.name} on "
+              f"{', '.join(added)}", file=sys.stderr)
+    print(format_plan_table(plan))
+    print(format_search_line(plan))
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
     return 0
+
+
+def main(argv=None) -> int:
+    """The CLI; bad input or an infeasible problem: ``error: ...`` on stderr, exit 2."""
+    from eth.cli import run_main
+    return run_main(_main, argv)
 
 
 if __name__ == "__main__":

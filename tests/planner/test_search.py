@@ -213,3 +213,16 @@ def test_random_small_clusters_within_2_percent_of_brute_force():
             continue
         assert got <= best * 1.02, (nodes, model.name, gbs, got, best)
         checked += 1
+
+
+def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("search_hpp", ROOT / "tools" / "search_hpp.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    cluster = _write_cluster(tmp_path, A2R2)
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "0", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: gbs must be a positive integer, got 0\n"
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--no-progress"]) == 0
+    assert "predicted iteration" in capsys.readouterr().out
