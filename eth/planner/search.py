@@ -27,7 +27,12 @@ Section 5 optimisations (each switchable): ``cache`` (5.1), ``skip`` (5.2,
 :mod:`eth.planner.dynprog`): when the skip rate over the last ``dp_window`` groups
 falls below ``dp_skip_threshold``, or a pipeline count has more than
 ``dp_group_limit`` groups, the remaining groups of that and all larger pipeline counts
-are replaced by the DP partitions of several device orderings.
+are replaced by the DP partitions of several device orderings.  Device groups are counted
+one pipeline count at a time, saturating above ``dp_group_limit`` when DP is on.
+
+``time_limit``: one :class:`eth.planner.progress.Clock` is polled while counting and
+generating groups, between groups, inside phases 1 and 3 (between stage groups and
+balancer rounds) and at every polish step; the best plan found so far is returned.
 """
 from __future__ import annotations
 
@@ -136,7 +141,7 @@ class HPPSearch:
                                    self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
-        if batch == self.opt.gbs:
+        if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound
             self._known[vec] = result.throughput if result is not None else 0.0
         return result
 
