@@ -202,11 +202,13 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
         _op("1st-layernorm", 8 * b * s * h, ln_w, tok + b * s * 8, tok, tok),
         _op("qkv", 2 * b * s * h * qkv // t, (h * qkv + qkv) // t * E, tok, tok, b * s * qkv // t * E,
             gemm=True),
+        # score reads q and k out of the fused qkv output (its input, kept whole by a
+        # checkpoint); context reuses the softmax output itself when dropout is off
         _op("score", 2 * b * s * s * h // t, 0, b * s * (h + kvd) // t * E,
-            b * s * (h + kvd) // t * E, att * E, gemm=True),
+            b * s * qkv // t * E, att * E, gemm=True),
         _op("softmax", 5 * att, 0, att * E, att * E, att * E),
         _op("attn-dropout", 2 * att, 0, mask_a, att * E, att * E, 2 * att * E + mask_a),
-        _op("context", 2 * b * s * s * h // t, 0, att * E + b * s * kvd // t * E,
+        _op("context", 2 * b * s * s * h // t, 0, (att * E if drop else 0) + b * s * kvd // t * E,
             att * E + b * s * kvd // t * E, b * s * h // t * E, gemm=True),
         _op("attn-dense", 2 * b * s * h * h // t, (h * h // t + h) * E, b * s * h // t * E,
             b * s * h // t * E, tok, gemm=True),

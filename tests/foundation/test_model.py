@@ -17,7 +17,8 @@ def test_op_shapes_hand_count_tp1():
     assert ops["score"].act_bytes == 4 * 16 * 2           # q and k
     assert ops["softmax"].act_bytes == 32 * 2             # its output
     assert ops["attn-dropout"].act_bytes == 0             # dropout off: no mask
-    assert ops["context"].act_bytes == 64 + 64            # probs + v
+    assert ops["context"].act_bytes == 64                 # v (probs are softmax's: no dropout)
+    assert ops["score"].input_bytes == 4 * 24 * 2         # the whole fused qkv output
     assert ops["attn-dense"].weight_bytes == (64 + 8) * 2
     assert ops["1st-layernorm"].act_bytes == 64 + 4 * 8   # input + fp32 mean/rstd
     assert ops["gelu"].act_bytes == 4 * 32 * 2
@@ -26,7 +27,7 @@ def test_op_shapes_hand_count_tp1():
     assert ops["head+loss"].act_bytes == 64 + 4 * 16 * 4  # input + fp32 logits
     layer_weights = sum(ops[o].weight_bytes for o in LAYER_OPS)
     assert layer_weights == 2 * TINY.params_per_layer() == 2 * 872
-    assert sum(ops[o].act_bytes for o in LAYER_OPS) == 1216
+    assert sum(ops[o].act_bytes for o in LAYER_OPS) == 1152
 
 
 def test_tp_shards_gemms_not_layernorms():
@@ -43,6 +44,7 @@ def test_activations_scale_with_mbs_and_dropout_masks():
     drop = ModelSpec("d", 2, 8, 2, ffn=32, seq_len=4, vocab=16, dropout=0.1)
     a1, a3 = op_shapes(drop, 1, 1), op_shapes(drop, 3, 1)
     assert a1["attn-dropout"].act_bytes == 32 and a3["attn-dropout"].act_bytes == 96
+    assert a1["context"].act_bytes == 32 * 2 + 64          # dropout output + v
     assert a1["post-mlp-dropout"].act_bytes == 32
     tok = 2 * 4 * 8 * 2
     assert tp_allreduces(drop, 2, "layer") == ((tok, tok), (tok, tok))
