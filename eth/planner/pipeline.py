@@ -67,18 +67,25 @@ def adaptive_budgets(cluster, groups: list[StageGroup], base: int) -> list[int]:
         comp = [n * cluster.types[t].tflops for t, n in g.stages]
         vm.append(float(np.var(mem)))
         vc.append(float(np.var(comp)))
+    peers: dict = {}   # stage count -> indices, in order (one pass, not one per group)
+    for i, g in enumerate(groups):
+        peers.setdefault(g.num_stages, []).append(i)
+    means = {n: (_mean([vm[k] for k in ks]), _mean([vc[k] for k in ks])) for n, ks in peers.items()}
     budgets = []
     for i, g in enumerate(groups):
-        peers = [k for k, h in enumerate(groups) if h.num_stages == g.num_stages]
-        nm = _normalise(vm[i], [vm[k] for k in peers])
-        nc = _normalise(vc[i], [vc[k] for k in peers])
+        mm, mc = means[g.num_stages]
+        nm = _normalise(vm[i], mm)
+        nc = _normalise(vc[i], mc)
         factor = min(4.0, max(0.25, 1.0 / max(nm * nc, 1e-9)))
         budgets.append(max(1, int(round(base * factor))))
     return budgets
 
 
-def _normalise(value: float, peers: list[float]) -> float:
-    mean = sum(peers) / len(peers)
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _normalise(value: float, mean: float) -> float:
     if mean <= 0:
         return 1.0
     return max(value / mean, 0.25)

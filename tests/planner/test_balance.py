@@ -72,3 +72,29 @@ def test_adaptive_budgets_give_high_variance_groups_less_time():
     assert b[0] == 400                      # zero variance among varied peers: the x4 cap
     assert b[2] < b[1] <= b[0]              # more variance, less time (clipped at x4)
     assert all(25 <= x <= 400 for x in b)
+
+
+def test_adaptive_budgets_equal_the_per_group_peer_definition():
+    import numpy as np
+
+    from eth.planner.enumerate import stage_groups
+    from eth.planner.pipeline import adaptive_budgets
+    c = make_cluster([{"type": "A100", "devices_per_node": 4}, {"type": "RTX3090", "devices_per_node": 4},
+                      {"type": "V100", "devices_per_node": 2}])
+    groups = stage_groups(("A100", "RTX3090", "V100"), (4, 4, 2), num_layers=12, max_stages=16)
+    assert len({g.num_stages for g in groups}) > 3
+    vm = [float(np.var([n * c.types[t].memory_gb for t, n in g.stages])) for g in groups]
+    vc = [float(np.var([n * c.types[t].tflops for t, n in g.stages])) for g in groups]
+
+    def norm(v, peers):
+        mean = sum(peers) / len(peers)
+        return 1.0 if mean <= 0 else max(v / mean, 0.25)
+
+    want = []
+    for i, g in enumerate(groups):  # the section-6 rule, peers recomputed for every group
+        peers = [k for k, h in enumerate(groups) if h.num_stages == g.num_stages]
+        f = min(4.0, max(0.25, 1.0 / max(norm(vm[i], [vm[k] for k in peers]) *
+                                         norm(vc[i], [vc[k] for k in peers]), 1e-9)))
+        want.append(max(1, int(round(100 * f))))
+    assert adaptive_budgets(c, groups, 100) == want
+    assert len(set(want)) > 2
