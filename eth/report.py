@@ -124,8 +124,11 @@ def format_search_line(plan) -> str:
                      f"({plan.gbs / it * 1e3:.1f} samples/s)")
     if search:
         c = search.get("candidates", {})
+        counted = c.get("counted_pipelines")
+        scope = (f" (pipeline counts 1..{counted} of {c.get('max_pipelines')})"
+                 if counted and counted != c.get("max_pipelines") else "")
         lines.append(f"search [{search.get('strategy', 'hpp')}] {search.get('time_s', 0):.2f}s: "
-                     f"{c.get('groups_total', 0)} device groups, {c.get('evaluated', 0)} evaluated, "
+                     f"{c.get('groups_total', 0)} device groups{scope}, {c.get('evaluated', 0)} evaluated, "
                      f"{c.get('skipped', 0)} skipped, {c.get('by_dp', 0)} from DP, "
                      f"{search.get('cache_hits', 0)} cache hits"
                      + (" [time limit hit]" if search.get("time_limited") else ""))

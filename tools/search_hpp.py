@@ -60,6 +60,9 @@ def _main(argv=None) -> int:
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
                             progress=not args.no_progress)
     plan = search(model, cluster, db, options)
+    # where each device type's op costs came from (the plan hash does not cover profiles)
+    plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
+                               else db.get(t).source for t in sorted(cluster.types)}
     if added:  # said after the search so that an error stays a single line
         plan.search["analytic_profiles"] = added
         print(f"note: analytic profiles (roofline estimates) for {model.name} on "

@@ -160,7 +160,9 @@ def test_cli_writes_a_valid_plan(tmp_path):
     assert "Pipe-0" in r.stdout and "predicted iteration" in r.stdout
     plan = load_plan(out)
     assert plan.search["options"]["dp"] is False
-    assert json.loads(out.read_text())["search"]["analytic_profiles"]
+    search_meta = json.loads(out.read_text())["search"]
+    assert search_meta["analytic_profiles"]
+    assert set(search_meta["profiles"]) == set(search_meta["analytic_profiles"])
 
 
 def test_cli_infeasible_exits_2_with_one_line(tmp_path):
