@@ -106,8 +106,9 @@ def variant_allocation(search, results: list[PipelineResult]) -> Candidate | Non
     return Candidate(plan, ev["iteration_ms"], chosen)
 
 
-def _moves(search, r: PipelineResult):
-    """Mbs x2 / 2, single-stage tp/dp exchanges (also with Mbs / 2) and single-layer moves."""
+def pipeline_moves(ev, r: PipelineResult):
+    """Single changes of one pipeline: Mbs x2 / 2, one stage's tp/dp exchange (also with
+    Mbs / 2; tp groups kept inside a node) and one layer moved between neighbours."""
     stages = list(r.state.stages)
     mbs = r.state.mbs
     yield replace(r.state, mbs=mbs * 2)
@@ -115,7 +116,7 @@ def _moves(search, r: PipelineResult):
         yield replace(r.state, mbs=mbs // 2)
     for j, st in enumerate(stages):
         for tp in (st.tp * 2, st.tp // 2):
-            if tp in search.ev.valid_tps(st.device_type, st.ndev, r.ranks[j]) and mbs % (st.ndev // tp) == 0:
+            if tp in ev.valid_tps(st.device_type, st.ndev, r.ranks[j]) and mbs % (st.ndev // tp) == 0:
                 new = list(stages)
                 new[j] = replace(st, tp=tp)
                 yield replace(r.state, stages=tuple(new))
@@ -132,7 +133,7 @@ def _moves(search, r: PipelineResult):
 
 def polish(search, cand: Candidate, budget: int) -> Candidate:
     """Re-plan each pipeline for its Lbs (all stage groups), steepest descent on the whole
-    group's Eq. 2 over :func:`_moves`, then free-Mbs allocation.  Every step first checks
+    group's Eq. 2 over :func:`pipeline_moves`, then free-Mbs allocation.  Every step first checks
     the search's time limit; once it is reached the best candidate so far is returned."""
     out = search._out_of_time
     for i, p in enumerate(list(cand.plan.pipelines)):
@@ -157,7 +158,7 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
     while spent < budget and not out():
         best = None
         for i, (r, p) in enumerate(zip(cand.results, cand.plan.pipelines)):
-            for state in _moves(search, r):
+            for state in pipeline_moves(search.ev, r):
                 if spent >= budget or out():
                     break
                 e = search.ev.evaluate(state, p.lbs, r.ranks)

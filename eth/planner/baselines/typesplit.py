@@ -30,6 +30,7 @@ from eth.planner.baselines.common import Best, BaselineOptions, Clock, finish, p
 from eth.planner.enumerate import assign_ranks, make_blocks, pipeline_can_hold
 from eth.planner.evaluate import Evaluator
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
+from eth.planner.polish import pipeline_moves
 
 REFINE_TOP = 4
 """Type splits (best after phase 2) that get phase 3 and the group polish."""
@@ -109,34 +110,14 @@ def _allocate(cost, ev, model, cluster, blocks, gbs, results, free_mbs=False):
     return _build(model, cluster, blocks, gbs, chosen, list(lbs)), chosen
 
 
-def _moves(ev, state):
-    """Single changes of one pipeline: Mbs x2 / 2, one stage's tp x2 / 2, one layer moved."""
-    stages, mbs = list(state.stages), state.mbs
-    yield replace(state, mbs=mbs * 2)
-    if mbs % 2 == 0 and all((mbs // 2) % st.dp == 0 for st in stages):
-        yield replace(state, mbs=mbs // 2)
-    for j, st in enumerate(stages):
-        for tp in (st.tp * 2, st.tp // 2):
-            if tp in ev.valid_tps(st.device_type, st.ndev) and mbs % (st.ndev // tp) == 0:
-                new = list(stages)
-                new[j] = replace(st, tp=tp)
-                yield replace(state, stages=tuple(new))
-        if j + 1 < len(stages):
-            for src, dst in ((j, j + 1), (j + 1, j)):
-                if stages[src].layers > 1:
-                    new = list(stages)
-                    new[src] = replace(stages[src], layers=stages[src].layers - 1)
-                    new[dst] = replace(stages[dst], layers=stages[dst].layers + 1)
-                    yield replace(state, stages=tuple(new))
-
-
 def _descend(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, budget, clock):
-    """Steepest descent over :func:`_moves` of any one pipeline (group-scored)."""
+    """Steepest descent over :func:`eth.planner.polish.pipeline_moves` of any one pipeline
+    (group-scored)."""
     spent = 0
     while spent < budget and not clock.out():
         move = None
         for i, r in enumerate(results):
-            for state in _moves(ev, r.state):
+            for state in pipeline_moves(ev, r):
                 e = ev.evaluate(state, lbs[i], r.ranks)
                 if not e.feasible or spent >= budget:
                     continue
@@ -160,7 +141,7 @@ def polish_group(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, 
     """Group-level polish of one type split, every change scored by the whole split's
     re-allocated Eq. 2-5 (the cross-pipeline All-Reduce of Eq. 6 depends on the tp and
     layer split of every pipeline, which the per-pipeline phases cannot see):
-    steepest descent over :func:`_moves`; then each pipeline's best configuration of every
+    steepest descent over :func:`eth.planner.polish.pipeline_moves`; then each pipeline's best configuration of every
     stage device group for its own Lbs (phase 1 with B = Lbs) tried in place; then the
     descent again.  ``best`` keeps the fastest plan seen along the way."""
     args = (cost, ev, model, cluster, blocks, gbs)
