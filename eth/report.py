@@ -132,6 +132,9 @@ def format_search_line(plan) -> str:
                      f"{c.get('skipped', 0)} skipped, {c.get('by_dp', 0)} from DP, "
                      f"{search.get('cache_hits', 0)} cache hits"
                      + (" [time limit hit]" if search.get("time_limited") else ""))
+        if search.get("seed_won"):
+            lines.append(f"plan from the {search['seed_won']} seed (faster than the enumerated "
+                         f"groups; seeds ms: {search.get('seeds_ms')})")
     return "\n".join(lines)
 
 

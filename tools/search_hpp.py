@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-skip", action="store_true", help="disable early skipping")
     p.add_argument("--no-order", action="store_true", help="disable variance ordering (Eq. 9)")
     p.add_argument("--no-dp", action="store_true", help="disable dynamic programming (Eq. 10)")
+    p.add_argument("--no-seeds", action="store_true",
+                   help="do not also evaluate the metis/hexiscale/uniform planners' plans")
     p.add_argument("--allow-overshoot", action="store_true",
                    help="accept sum(lbs) > gbs when no exact split exists")
     p.add_argument("--max-blocks-per-type", type=int, default=8)
@@ -55,6 +57,7 @@ def _main(argv=None) -> int:
     added = db.ensure(model, cluster.types.values())
     options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
                             skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
+                            seeds=not args.no_seeds,
                             alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
                             max_blocks_per_type=args.max_blocks_per_type,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,

@@ -55,6 +55,12 @@ class SearchOptions:
     refine_margin: float = 0.10
     """Phase 3 (refinement with Lbs) runs for device groups whose phase-2 iteration time
     is within this fraction of the best found so far."""
+    seeds: bool = True
+    """Also plan with the cheap structured planners (Metis-style, HexiScale-style,
+    Megatron uniform; eth.planner.baselines), whose plans lie in HPP's configuration
+    space, and return the fastest plan by Eq. 5 (plan.search["seed_won"] names a winning
+    seed).  The enumeration restricts stage sizes and layouts, so the search itself does
+    not always reach those plans."""
     polish_top: int = 8
     """At the end, the allocation of this many best device groups is re-solved exactly with
     each pipeline's Mbs free among its halvings/doublings (0 = off)."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from eth.cluster import Cluster
 from eth.cost import CostModel
@@ -443,9 +443,42 @@ class HPPSearch:
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
 
 
+SEED_STRATEGIES = ("metis", "hexiscale", "uniform")
+
+
 def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:
-    """Run the configured strategy and return a validated, annotated plan."""
-    if options.strategy == "hpp":
-        return HPPSearch(model, cluster, profiles, options).run()
+    """Run the configured strategy and return a validated, annotated plan.
+
+    For "hpp" with ``options.seeds``, the cheap structured planners run first (each with
+    at most a sixth of the time limit), the HPP search gets the remaining time, and the
+    fastest plan by Eq. 5 is returned.
+    """
     from eth.planner.baselines import plan_baseline
-    return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
+    if options.strategy != "hpp":
+        return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
+    clock = Clock(options.time_limit)
+    seeds: dict[str, Plan] = {}
+    for name in SEED_STRATEGIES if options.seeds else ():
+        try:
+            seeds[name] = plan_baseline(name, model, cluster, profiles, options.gbs,
+                                        replace(options, time_limit=options.time_limit / 6, progress=False))
+        except InfeasibleError:
+            continue
+    left = max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds else options.time_limit
+    try:
+        plan, why = HPPSearch(model, cluster, profiles, replace(options, time_limit=left)).run(), ""
+    except InfeasibleError as exc:
+        if not seeds:
+            raise
+        plan, why = None, str(exc)
+    if seeds:
+        name, seed = min(seeds.items(), key=lambda kv: kv[1].predicted["iteration_ms"])
+        if plan is None or seed.predicted["iteration_ms"] < plan.predicted["iteration_ms"] * (1 - 1e-9):
+            base = plan.search if plan is not None else {
+                "strategy": "hpp", "search_error": why, "time_limited": "time limit" in why}
+            seed.search = dict(base, seed_won=name, seed_search=seed.search)
+            plan = seed
+        plan.search["seeds_ms"] = {k: round(v.predicted["iteration_ms"], 4) for k, v in seeds.items()}
+    plan.search["options"] = options.switches()
+    plan.search["time_s"] = round(clock.elapsed(), 3)
+    return plan

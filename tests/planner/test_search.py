@@ -176,6 +176,8 @@ def test_cli_infeasible_exits_2_with_one_line(tmp_path):
 def test_time_limit_is_reported():
     model, cluster, db, gbs = setup("2A+2R")
     with pytest.raises(InfeasibleError, match="time limit"):
+        search(model, cluster, db, SearchOptions(gbs=gbs, time_limit=1e-9, seeds=False))
+    with pytest.raises(InfeasibleError, match="time limit"):        # the seeds run out of time too
         search(model, cluster, db, SearchOptions(gbs=gbs, time_limit=1e-9))
 
 
@@ -228,3 +230,39 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
     assert err == "error: gbs must be a positive integer, got 0\n"
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--no-progress"]) == 0
     assert "predicted iteration" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("nodes, gbs", [(A2R2, 4), (A2R2, 16), ([{"type": "A100", "devices_per_node": 2, "count": 2},
+                                                                  {"type": "RTX3090", "devices_per_node": 2, "count": 2}], 4)])
+def test_seeds_make_hpp_no_slower_than_the_structured_planners(nodes, gbs):
+    from eth.planner.baselines import plan_baseline
+    from eth.planner.search import SEED_STRATEGIES
+    cluster = make_cluster(nodes)
+    db = profiles_for(M4, cluster)
+    plan = search(M4, cluster, db, SearchOptions(gbs=gbs))
+    plan.validate()
+    seeds = {s: plan_baseline(s, M4, cluster, db, gbs).predicted["iteration_ms"] for s in SEED_STRATEGIES}
+    assert plan.search["seeds_ms"] == pytest.approx(seeds)
+    assert plan.predicted["iteration_ms"] <= min(seeds.values()) * (1 + 1e-9)
+    won = plan.search.get("seed_won")
+    if won:
+        assert plan.predicted["iteration_ms"] == pytest.approx(seeds[won])
+    unseeded = search(M4, cluster, db, SearchOptions(gbs=gbs, seeds=False))
+    assert "seeds_ms" not in unseeded.search and "seed_won" not in unseeded.search
+    assert plan.predicted["iteration_ms"] <= unseeded.predicted["iteration_ms"] * (1 + 1e-9)
+    assert (won is None) == (plan.predicted["iteration_ms"] == pytest.approx(unseeded.predicted["iteration_ms"]))
+
+
+def test_a_winning_seed_is_returned_and_named():
+    """GPT-3 13B on 32 + 32 Ascend devices at gbs 4: the HexiScale-style plan (one pipeline,
+    dp 1 stages) is faster than anything the restricted enumeration reaches."""
+    from eth.cluster import load_cluster
+    cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/b2b4-64.yaml")
+    model = get_model("gpt3-13b")
+    db = profiles_for(model, cluster)
+    plan = search(model, cluster, db, SearchOptions(gbs=4))
+    unseeded = search(model, cluster, db, SearchOptions(gbs=4, seeds=False))
+    won = plan.search["seed_won"]
+    assert plan.predicted["iteration_ms"] == pytest.approx(plan.search["seeds_ms"][won])
+    assert plan.predicted["iteration_ms"] < unseeded.predicted["iteration_ms"]
+    assert plan.search["strategy"] == "hpp" and plan.validate()
