@@ -92,10 +92,17 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def _tp_split(self):
+        return (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn", self.ffn),
+                ("vocab", self.vocab))
+
+    def splits(self, tp: int) -> bool:
+        """Whether ``tp`` splits heads, kv heads, ffn and vocab evenly."""
+        return all(value % tp == 0 for _, value in self._tp_split())
+
     def check_tp(self, tp: int) -> None:
-        """Raise SpecError unless ``tp`` splits heads, kv heads, ffn and vocab evenly."""
-        for name, value in (("heads", self.heads), ("kv_heads", self.kv_heads),
-                            ("ffn", self.ffn), ("vocab", self.vocab)):
+        """Raise SpecError unless :meth:`splits` holds, naming the field."""
+        for name, value in self._tp_split():
             if value % tp:
                 raise SpecError(f"tp {tp} does not divide model.{name} {value}")
 

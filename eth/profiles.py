@@ -315,15 +315,11 @@ def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
     for model in models:
         entries = [{"mbs": m, "tp": t, "reserved_bytes": RESERVED_BYTES,
                     "ops": analytic_op_costs(device, model, m, t)}
-                   for t in tp if _tp_ok(model, t) for m in mbs]
+                   for t in tp if model.splits(t) for m in mbs]
         data["models"].append({"name": model.name, "source": "analytic",
                                "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
                                "entries": entries})
     return data
-
-
-def _tp_ok(model: ModelSpec, tp: int) -> bool:
-    return all(v % tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
 
 
 # ----------------------------------------------------------------------------------

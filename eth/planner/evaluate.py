@@ -30,7 +30,6 @@ import math
 from dataclasses import dataclass
 
 from eth.cost import CostModel, StageCost, eq1_pipeline_ms, eq6_allreduce_ms
-from eth.errors import SpecError
 from eth.model import LAYER_OPS
 from eth.planner.enumerate import tp_groups_in_nodes
 
@@ -105,13 +104,8 @@ class Evaluator:
             profiled = set(self.cost.profiles.get(device_type).tps(self.model))
             ok = []
             for tp in sorted(profiled):
-                if ndev % tp or tp > per_node:
-                    continue
-                try:
-                    self.model.check_tp(tp)
-                except SpecError:
-                    continue
-                ok.append(tp)
+                if ndev % tp == 0 and tp <= per_node and self.model.splits(tp):
+                    ok.append(tp)
             self._tps[key] = tuple(ok)
         if not ranks:
             return self._tps[key]

@@ -22,7 +22,6 @@ import itertools
 import math
 
 from eth.cost import CostModel
-from eth.errors import SpecError
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines.common import (RECOMPUTE_MODES, Best, BaselineOptions, Clock, divisors,
                                           finish, powers_of_two, progress_bar, type_ranks)
@@ -38,11 +37,7 @@ def uniform_tps(model, cluster, profiles, size: int) -> list[int]:
     out = []
     per_node = min(g.devices_per_node for g in cluster.nodes)
     for tp in powers_of_two(size):
-        if size % tp or tp > per_node:
-            continue
-        try:
-            model.check_tp(tp)
-        except SpecError:
+        if size % tp or tp > per_node or not model.splits(tp):
             continue
         if all(tp in profiles.get(t).tps(model) for t in cluster.types):
             out.append(tp)
