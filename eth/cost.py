@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from eth.cluster import Cluster
 from eth.errors import SpecError
 from eth.model import ACT_BYTES, LAYER_OPS, POST_OPS, PRE_OPS, ModelSpec, tp_allreduces
+from eth.plan import stage_holding
 from eth.profiles import ProfileDB, collective_ms
 
 
@@ -274,7 +275,7 @@ class CostModel:
                 start, end = st.layers
                 l = start
                 while l < end:
-                    holders = [self._stage_of(q, l) for q in pipelines]
+                    holders = [q.stages[stage_holding(q, l)] for q in pipelines]
                     # the holder set is constant until any holder's stage ends
                     span_end = min([end] + [hs.layers[1] for hs in holders])
                     n = sum(hs.dp for hs in holders)
@@ -295,13 +296,6 @@ class CostModel:
                 row.append(total)
             result.append(row)
         return result
-
-    @staticmethod
-    def _stage_of(pipeline, layer):
-        for st in pipeline.stages:
-            if st.layers[0] <= layer < st.layers[1]:
-                return st
-        raise SpecError(f"no stage holds layer {layer}")
 
     # ------------------------------------------------------------------ plans
     def evaluate(self, plan) -> dict:

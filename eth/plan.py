@@ -217,6 +217,14 @@ class Plan:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
 
+def stage_holding(pipeline, layer: int) -> int:
+    """Index of the stage of ``pipeline`` (a PipelinePlan or alike) that holds ``layer``."""
+    for j, st in enumerate(pipeline.stages):
+        if st.layers[0] <= layer < st.layers[1]:
+            return j
+    raise PlanError(f"no stage holds layer {layer}")
+
+
 def load_plan(path) -> Plan:
     """Read, parse and validate a plan JSON file."""
     return Plan.from_dict(read_json(path, "plan", PlanError)).validate()

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eth.cost import CostModel, StageCost, eq6_allreduce_ms
+from eth.plan import stage_holding
 from eth.profiles import ProfileDB
 
 KINDS = ("forward", "backward", "recompute", "comm", "allreduce", "optimizer")
@@ -382,7 +383,7 @@ def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:
     cuts = sorted({b for p in pipes for s in p.stages for b in s.layers})
     parts: dict[tuple, list[tuple[str, float]]] = {}
     for a, b in zip(cuts, cuts[1:]):
-        holders = tuple((i, _stage_index(p, a)) for i, p in enumerate(pipes))
+        holders = tuple((i, stage_holding(p, a)) for i, p in enumerate(pipes))
         parts.setdefault(holders, []).append((f"L{a}-{b - 1}", (b - a) * model.params_per_layer()))
     first = tuple((i, 0) for i in range(len(pipes)))
     last = tuple((i, len(p.stages) - 1) for i, p in enumerate(pipes))
@@ -398,13 +399,6 @@ def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:
                            for _, params in items) for s in stages)
         blocks.append(AllReduceBlock(holders, duration, "+".join(name for name, _ in items)))
     return blocks
-
-
-def _stage_index(pipeline, layer: int) -> int:
-    for j, s in enumerate(pipeline.stages):
-        if s.layers[0] <= layer < s.layers[1]:
-            return j
-    raise ValueError(f"no stage holds layer {layer}")
 
 
 def simulate(plan, cost_model: CostModel | None = None, profiles: ProfileDB | None = None,
