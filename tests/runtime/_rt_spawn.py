@@ -32,16 +32,16 @@ def free_port() -> int:
 
 
 def launch(nproc: int, args: list[str], timeout: float = 120.0,
-           extra_env: dict | None = None) -> list[RankResult]:
-    """Run ``pretrain_gpt.py args`` as ``nproc`` ranks (``extra_env`` on every rank);
-    returns every rank's result."""
+           extra_env: dict | None = None, script: Path = REPO / "pretrain_gpt.py") -> list[RankResult]:
+    """Run ``script args`` (default pretrain_gpt.py) as ``nproc`` ranks (``extra_env`` on
+    every rank); returns every rank's result."""
     port = free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONWARNINGS="ignore", **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *args],
+        procs.append(subprocess.Popen([sys.executable, str(script), *args],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
@@ -55,6 +55,6 @@ def launch(nproc: int, args: list[str], timeout: float = 120.0,
             proc.kill()
         for proc in procs:
             proc.communicate()
-        raise AssertionError(f"{nproc} ranks of pretrain_gpt.py {' '.join(args)} did not finish "
+        raise AssertionError(f"{nproc} ranks of {Path(script).name} {' '.join(args)} did not finish "
                              f"in {timeout:.0f} s")
     return results
