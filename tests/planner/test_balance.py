@@ -3,7 +3,7 @@ from eth.planner.balance import balance, initial_state, split_layers
 from eth.planner.enumerate import assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluator, PipeState, StageState
 
-from conftest import M6, make_cluster, profiles_for
+from _planner_data import M6, make_cluster, profiles_for
 
 
 def test_split_layers():

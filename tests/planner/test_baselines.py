@@ -17,7 +17,7 @@ from eth.planner.evaluate import Evaluator, PipeState, StageState
 from eth.planner.options import SearchOptions
 from eth.planner.search import search
 
-from conftest import A2R2, M4, M6, make_cluster, profiles_for
+from _planner_data import A2R2, M4, M6, make_cluster, profiles_for
 
 A4R4 = [{"type": "A100", "devices_per_node": 4}, {"type": "RTX3090", "devices_per_node": 4}]
 SMALL_MEM = {"A100": {"memory_gb": 3}, "RTX3090": {"memory_gb": 2}}

@@ -3,7 +3,7 @@ import itertools
 from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
                                    stage_groups)
 
-from conftest import make_cluster
+from _planner_data import make_cluster
 
 
 def naive_groups(total, parts):

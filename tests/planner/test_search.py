@@ -14,7 +14,7 @@ from eth.planner.bruteforce import brute_force
 from eth.planner.options import SearchOptions
 from eth.planner.search import search
 
-from conftest import A2R2, M4, M6, make_cluster, profiles_for
+from _planner_data import A2R2, M4, M6, make_cluster, profiles_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from eth.planner.polish import polish
 from eth.planner.progress import Clock
 from eth.planner.search import HPPSearch, search
 
-from conftest import M4, A2R2, make_cluster, profiles_for
+from _planner_data import M4, A2R2, make_cluster, profiles_for
 
 
 @pytest.mark.parametrize("types", [("A100", "H100", "RTX3090"), ("A100", "H100", "RTX3090", "V100")])

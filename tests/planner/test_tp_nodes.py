@@ -8,7 +8,7 @@ from eth.model import ModelSpec, get_model
 from eth.planner.options import SearchOptions
 from eth.planner.search import HPPSearch
 
-from conftest import M4, make_cluster, profiles_for
+from _planner_data import M4, make_cluster, profiles_for
 
 ROOT = Path(__file__).resolve().parents[2]
 M3 = ModelSpec("m3", num_layers=3, hidden=2048, heads=16, seq_len=512, vocab=4096)

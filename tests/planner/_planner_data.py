@@ -1,6 +1,8 @@
-"""Shared small inputs for the planner tests (analytic profiles, in memory)."""
-import pytest
+"""Shared small inputs for the planner tests (analytic profiles, in memory).
 
+A uniquely named module (not conftest.py): test folders have no __init__.py, so every
+folder's conftest.py is the top-level module ``conftest`` and importing names from it
+reads whichever folder's conftest pytest loaded last."""
 from eth.cluster import Cluster
 from eth.model import ModelSpec
 from eth.profiles import ProfileDB
@@ -20,13 +22,3 @@ M4 = ModelSpec("m4", num_layers=4, hidden=1024, heads=8, seq_len=512, vocab=8192
 M6 = ModelSpec("m6", num_layers=6, hidden=2048, heads=16, seq_len=1024, vocab=8192)
 
 A2R2 = [{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 2}]
-
-
-@pytest.fixture
-def m4():
-    return M4
-
-
-@pytest.fixture
-def a2r2():
-    return make_cluster(A2R2)
