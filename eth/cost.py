@@ -16,8 +16,11 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
 Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
 
     weights, grads, optimizer states = params on the device (profiled weight bytes /
-        the profile's dtype_bytes, 2 unless stated) x bytes_per_param (16:
-        fp32 Adam with mixed precision 2+2+4+4+4, or pure fp32 4+4+4+4)
+        the profile's dtype_bytes, 2 unless stated) x the training setup's bytes per
+        parameter (``eth.precision.TrainSetup``: w + g + 12, 18 in bf16 with fp32
+        gradients; with ZeRO 1/2 w + g + 12 / N, where the stage search uses N = the
+        stage's dp, a lower bound of a block's participants, and :meth:`evaluate` of a
+        whole plan the exact per-rank bytes of ``eth.sync_cost.rank_state_bytes``)
     + activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
         min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
         contiguous run of recomputed ops in a layer frees its saved activations but
@@ -36,21 +39,24 @@ All-Reduce of a gradient block, Eq. 6 -- :func:`eq6_allreduce_ms`:
 
     AR = 2 * Gra * (N - 1) / (N * BW)
 
-AR_i^j for a stage (:meth:`CostModel.stage_allreduce_ms`) sums Eq. 6 over the stage's
-layers: a layer's gradient held by the device (params / tp x grad bytes) is reduced
-over N = sum over pipelines of the dp degree of the stage that holds that layer (the
-block-wise All-Reduce partitions at the largest tp, so each block has one holder per
-dp replica of every pipeline), over the slowest link among those ranks.  Iteration
-time of a plan (:meth:`CostModel.evaluate`) is max over pipelines and stages of Te.
+AR_i^j for a stage (:meth:`CostModel.stage_allreduce_ms`, ``eth.sync_cost``) sums
+Eq. 6 over the stage's blocks with the block-wise All-Reduce's structure: the block's
+elements on the stage's tp rank 0 (tp-partitioned params / tp + the tp-replicated
+ones, which sub-block 0 carries) in the setup's bytes per element (fp32 or bf16
+gradients; ZeRO's reduce-scatter + all-gather), reduced over N = sum over pipelines
+of the dp degree of the stage that holds the block (one participant per replica),
+over the slowest link among its holders.  Iteration time of a plan
+(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from eth.cluster import Cluster
 from eth.errors import SpecError
 from eth.model import ACT_BYTES, LAYER_OPS, POST_OPS, PRE_OPS, ModelSpec, tp_allreduces
-from eth.plan import stage_holding
+from eth.precision import TrainSetup
 from eth.profiles import ProfileDB, collective_ms
 
 
@@ -134,11 +140,21 @@ class CostModel:
     model: ModelSpec
     cluster: Cluster
     profiles: ProfileDB
-    bytes_per_param: float = 16.0
-    """Weights + grads + optimizer states per parameter."""
-    grad_bytes: float = 4.0
-    """Bytes per gradient element in the data-parallel All-Reduce (fp32 main grads)."""
+    setup: TrainSetup = field(default_factory=TrainSetup)
+    """Precision, ZeRO stage and gradient dtype planned for (bf16, ZeRO 0, fp32 grads)."""
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Model-state bytes per parameter that every placement needs at least (capacity
+        bounds of the search): w + g + 12 with ZeRO 0, w + g with ZeRO 1/2 (optimizer
+        state shrinks with the participant count)."""
+        return self.setup.state_bytes_per_param(math.inf)
+
+    @property
+    def grad_bytes(self) -> float:
+        """Eq. 6 bytes per gradient element (``TrainSetup.sync_bytes_per_element``)."""
+        return self.setup.sync_bytes_per_element()
 
     # ------------------------------------------------------------------ stages
     def stage_cost(self, device_type: str, tp: int, dp: int, layers: tuple[int, int], mbs: int,
@@ -213,7 +229,7 @@ class CostModel:
         inflight = num_stages - stage_index
         if num_microbatches is not None:
             inflight = max(1, min(inflight, num_microbatches))
-        memory = params * self.bytes_per_param + inflight * max(act, 0.0) + reserved
+        memory = params * self.setup.state_bytes_per_param(dp) + inflight * max(act, 0.0) + reserved
         capacity = self.cluster.types[device_type].memory_bytes
         cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
                          send_f, send_b)
@@ -264,38 +280,10 @@ class CostModel:
 
     # ------------------------------------------------------------------ all-reduce
     def stage_allreduce_ms(self, pipelines) -> list[list[float]]:
-        """AR_i^j (ms) for every stage j of every pipeline i (see module docstring)."""
-        L = self.model.num_layers
-        per_layer = self.model.params_per_layer()
-        result, groups = [], {}
-        for i, p in enumerate(pipelines):
-            row = []
-            for st in p.stages:
-                total = 0.0
-                start, end = st.layers
-                l = start
-                while l < end:
-                    holders = [q.stages[stage_holding(q, l)] for q in pipelines]
-                    # the holder set is constant until any holder's stage ends
-                    span_end = min([end] + [hs.layers[1] for hs in holders])
-                    n = sum(hs.dp for hs in holders)
-                    key = tuple(id(hs) for hs in holders)
-                    if key not in groups:
-                        groups[key] = self.cluster.link_gbps([r for hs in holders for r in hs.ranks])
-                    grad = per_layer / st.tp * self.grad_bytes
-                    total += (span_end - l) * eq6_allreduce_ms(grad, n, groups[key])
-                    l = span_end
-                for edge, params in (("first", self.model.embedding_params()),
-                                     ("last", self.model.head_params())):
-                    holds = (start == 0) if edge == "first" else (end == L)
-                    if holds:
-                        holders = [q.stages[0] if edge == "first" else q.stages[-1] for q in pipelines]
-                        n = sum(hs.dp for hs in holders)
-                        gbps = self.cluster.link_gbps([r for hs in holders for r in hs.ranks])
-                        total += eq6_allreduce_ms(params / st.tp * self.grad_bytes, n, gbps)
-                row.append(total)
-            result.append(row)
-        return result
+        """AR_i^j (ms) for every stage j of every pipeline i (``eth.sync_cost``)."""
+        from eth.sync_cost import stage_allreduce_ms
+
+        return stage_allreduce_ms(self, pipelines)
 
     # ------------------------------------------------------------------ plans
     def evaluate(self, plan) -> dict:
@@ -307,9 +295,25 @@ class CostModel:
             ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
+        if self.setup.zero_stage > 0 and hasattr(plan, "model"):
+            self._exact_state_memory(plan, pipes)
         iteration = max(pp["pipeline_ms"] for pp in pipes)
         feasible = all(c.fits for pp in pipes for c in pp["costs"])
         return {"iteration_ms": iteration, "feasible": feasible, "pipelines": pipes}
+
+    def _exact_state_memory(self, plan, pipes) -> None:
+        """ZeRO: replace each stage's model-state estimate (N = its dp) by the largest
+        per-rank bytes of the plan's exact block structure (``rank_state_bytes`` with
+        the full gradient buffers of the backward pass)."""
+        from eth.sync_cost import rank_state_bytes
+
+        peak = self.setup if self.setup.zero_stage == 1 else replace(self.setup, zero_stage=1)
+        state = rank_state_bytes(plan, peak)
+        for p, pp in zip(plan.pipelines, pipes):
+            for j, (st, c) in enumerate(zip(p.stages, pp["costs"])):
+                estimate = c.params * self.setup.state_bytes_per_param(st.dp)
+                exact = max(sum(state[r].values()) for r in st.ranks)
+                pp["costs"][j] = replace(c, memory_bytes=c.memory_bytes - estimate + exact)
 
     def annotate(self, plan) -> dict:
         """Fill plan/pipeline/stage ``predicted`` fields from :meth:`evaluate`."""

@@ -9,11 +9,18 @@ runtime needs only the plan file.  JSON layout (version 1)::
                     "stages": [{"ranks": [0, 1, 2, 3], "device_type": "910B4",
                                 "tp": 4, "dp": 1, "layers": [0, 4],
                                 "recompute": {"softmax": 4}, "predicted": {...}}]}],
+     "training": {"precision": "bf16", "zero_stage": 1, "grad_reduce": "fp32"},
      "predicted": {"iteration_ms": ...}, "search": {...}, "hash": "..."}
+
+``training`` (``eth.precision.TrainSetup``) is what the plan's memory and All-Reduce
+times were computed for and what the runtime trains with; a plan without it (written
+before it existed) means fp32, ZeRO 0, fp32 gradients.
 
 Conventions (the runtime relies on them):
   * global rank order = cluster device order (node-major);
-  * inside a stage, ``ranks[dp_rank * tp + tp_rank]`` (tp is the fastest dimension);
+  * inside a stage, dp replica d holds ``ranks[d * tp:(d + 1) * tp]`` (tp is the fastest
+    dimension) and its tp rank t is the t-th smallest of them (``StagePlan.replica``;
+    torch orders a process group by global rank);
   * pipeline i trains on samples [sum(lbs[:i]), sum(lbs[:i+1])) of each global batch;
   * ``recompute[op] = n`` recomputes ``op`` in the first n layers of the stage.
 """
@@ -27,14 +34,18 @@ from eth.cluster import Cluster
 from eth.errors import PlanError, SpecError
 from eth.fileio import atomic_write_text, read_json
 from eth.model import LAYER_OPS, ModelSpec
+from eth.precision import TrainSetup
 
 PLAN_VERSION = 1
+LEGACY_TRAINING = TrainSetup("fp32", 0, "fp32")
+"""The setup of a plan file without a ``training`` field (the runtime's only one before)."""
 
 
 @dataclass
 class StagePlan:
     ranks: list[int]
-    """Global ranks of the stage; ranks[dp_rank * tp + tp_rank]."""
+    """Global ranks of the stage: dp replica d is ranks[d * tp:(d + 1) * tp], its tp rank
+    t the t-th smallest of those (:meth:`replica`); any order is accepted."""
     device_type: str
     """Device type of every rank in the stage."""
     tp: int
@@ -50,8 +61,15 @@ class StagePlan:
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
+    def replica(self, dp_rank: int) -> tuple[int, ...]:
+        """Ranks of dp replica ``dp_rank`` (``ranks[dp_rank * tp:(dp_rank + 1) * tp]``) in
+        tp-rank order, i.e. ascending: torch's ``new_group`` orders a group by global
+        rank and megatron-core's layers take their tp rank from the group, so the
+        runtime defines tp rank t as the t-th smallest rank of the replica."""
+        return tuple(sorted(self.ranks[dp_rank * self.tp:(dp_rank + 1) * self.tp]))
+
     def rank(self, tp_rank: int, dp_rank: int) -> int:
-        return self.ranks[dp_rank * self.tp + tp_rank]
+        return self.replica(dp_rank)[tp_rank]
 
     def to_dict(self) -> dict:
         return {"ranks": list(self.ranks), "device_type": self.device_type, "tp": self.tp,
@@ -90,6 +108,8 @@ class Plan:
     predicted: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
+    training: TrainSetup = field(default_factory=lambda: LEGACY_TRAINING)
+    """Precision, ZeRO stage and gradient dtype the plan is made for."""
 
     @property
     def world_size(self) -> int:
@@ -97,7 +117,7 @@ class Plan:
 
     def content_hash(self) -> str:
         """Hash of model + cluster + pipelines (not of predictions or search metadata)."""
-        body = json.dumps([self.model.to_dict(), self.cluster.to_dict(), self.gbs,
+        body = json.dumps([self.model.to_dict(), self.cluster.to_dict(), self.gbs, self.training.to_dict(),
                            [p.to_dict() | {"predicted": {}, "stages": [s.to_dict() | {"predicted": {}}
                                                                       for s in p.stages]}
                             for p in self.pipelines]], sort_keys=True)
@@ -108,6 +128,7 @@ class Plan:
                 "cluster": self.cluster.to_dict(), "gbs": self.gbs,
                 "seq_len": self.model.seq_len,
                 "pipelines": [p.to_dict() for p in self.pipelines],
+                "training": self.training.to_dict(),
                 "predicted": dict(self.predicted), "search": dict(self.search),
                 "hash": self.content_hash()}
 
@@ -115,7 +136,7 @@ class Plan:
     def from_dict(cls, data: dict) -> "Plan":
         """Parse the JSON form; every field is type-checked and unknown keys are rejected."""
         _fields(data, ("version", "model", "cluster", "gbs", "pipelines"),
-                ("seq_len", "predicted", "search", "hash"), "plan")
+                ("seq_len", "predicted", "search", "hash", "training"), "plan")
         version = data["version"]
         if not _is_int(version) or version != PLAN_VERSION:
             raise PlanError(f"plan.version is {version!r}, this release reads version {PLAN_VERSION}")
@@ -148,8 +169,9 @@ class Plan:
                                         _mapping(st.get("predicted", {}), f"{sw}.predicted")))
             pipelines.append(PipelinePlan(p["mbs"], p["lbs"], stages,
                                           _mapping(p.get("predicted", {}), f"{where}.predicted")))
+        training = TrainSetup.from_dict(data["training"]) if "training" in data else LEGACY_TRAINING
         return cls(model, cluster, data["gbs"], pipelines, _mapping(data.get("predicted", {}), "plan.predicted"),
-                   _mapping(data.get("search", {}), "plan.search"), version)
+                   _mapping(data.get("search", {}), "plan.search"), version, training)
 
     def validate(self) -> "Plan":
         """Raise PlanError naming the field and numbers for the first inconsistency."""

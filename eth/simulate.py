@@ -374,29 +374,35 @@ def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:
     together) is held by one stage per pipeline; the embedding (word + position) by
     every first stage, final layernorm + head by every last stage.  Parts with the same
     holder set are fused into one block.  A holder with tensor parallelism ``tp`` keeps
-    params / tp of each part; its time in the block is Eq. 6 over N = sum of the
+    its tp share of each part's tp-partitioned parameters and (tp rank 0) all its
+    tp-replicated ones (the block-wise layout, ``eth.sync_cost``); its time in the
+    block is Eq. 6 over N = sum of the
     holders' dp degrees and the slowest link among all holder ranks, the same figures
     as CostModel.stage_allreduce_ms; the block lasts the longest holder time.
     """
+    from eth.sync_cost import block_split
+
     model, cluster = cost_model.model, cost_model.cluster
     pipes = plan.pipelines
     cuts = sorted({b for p in pipes for s in p.stages for b in s.layers})
-    parts: dict[tuple, list[tuple[str, float]]] = {}
+    parts: dict[tuple, list[tuple[str, tuple[int, int]]]] = {}
+    layer_part, layer_repl = block_split(model, "layer 0")
     for a, b in zip(cuts, cuts[1:]):
         holders = tuple((i, stage_holding(p, a)) for i, p in enumerate(pipes))
-        parts.setdefault(holders, []).append((f"L{a}-{b - 1}", (b - a) * model.params_per_layer()))
+        parts.setdefault(holders, []).append((f"L{a}-{b - 1}", ((b - a) * layer_part, (b - a) * layer_repl)))
     first = tuple((i, 0) for i in range(len(pipes)))
     last = tuple((i, len(p.stages) - 1) for i, p in enumerate(pipes))
-    parts.setdefault(first, []).insert(0, ("emb", model.embedding_params()))
-    parts.setdefault(last, []).append(("head", model.head_params()))
+    parts.setdefault(first, []).insert(0, ("emb", block_split(model, "embedding")))
+    parts.setdefault(last, []).append(("head", block_split(model, "head")))
 
     blocks = []
     for holders, items in parts.items():
         stages = [pipes[i].stages[j] for i, j in holders]
         n = sum(s.dp for s in stages)
         gbps = cluster.link_gbps([r for s in stages for r in s.ranks])
-        duration = max(sum(eq6_allreduce_ms(params / s.tp * cost_model.grad_bytes, n, gbps)
-                           for _, params in items) for s in stages)
+        # tp rank 0 of a holder carries its tp share plus the tp-replicated parameters
+        duration = max(sum(eq6_allreduce_ms((part / s.tp + repl) * cost_model.grad_bytes, n, gbps)
+                           for _, (part, repl) in items) for s in stages)
         blocks.append(AllReduceBlock(holders, duration, "+".join(name for name, _ in items)))
     return blocks
 
@@ -411,7 +417,7 @@ def simulate(plan, cost_model: CostModel | None = None, profiles: ProfileDB | No
     if cost_model is None:
         profiles = profiles if profiles is not None else ProfileDB()
         profiles.ensure(plan.model, plan.cluster.types.values())
-        cost_model = CostModel(plan.model, plan.cluster, profiles)
+        cost_model = CostModel(plan.model, plan.cluster, profiles, plan.training)
     pipelines, blocks = plan_timings(plan, cost_model, options)
     ranks = [[tuple(s.ranks) for s in p.stages] for p in plan.pipelines]
     return simulate_timings(pipelines, blocks, ranks)

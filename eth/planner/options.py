@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from eth.errors import SpecError
+from eth.precision import TrainSetup
 
 STRATEGIES = ("hpp", "uniform", "metis", "hexiscale", "typesplit")
 """Search strategies known to :func:`eth.planner.search.search`.  Baselines (Megatron
@@ -79,6 +80,9 @@ class SearchOptions:
     default only exact splits are emitted because the runtime requires equality."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
+    setup: TrainSetup = TrainSetup()
+    """Precision, ZeRO stage and gradient dtype to plan for (memory, Eq. 6); recorded in
+    the plan (``plan.training``) and used by the runtime."""
 
     def __post_init__(self):
         if not isinstance(self.gbs, int) or isinstance(self.gbs, bool) or self.gbs <= 0:

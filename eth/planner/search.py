@@ -93,7 +93,7 @@ class HPPSearch:
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions):
         self.model, self.cluster, self.opt = model, cluster, options
-        self.cost = CostModel(model, cluster, profiles)
+        self.cost = CostModel(model, cluster, profiles, options.setup)
         self.ev = Evaluator(self.cost)
         self.blocks = make_blocks(cluster, options.max_blocks_per_type)
         self.facts = {t: (d.tflops, d.memory_gb) for t, d in cluster.types.items()}
@@ -481,4 +481,5 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
         plan.search["seeds_ms"] = {k: round(v.predicted["iteration_ms"], 4) for k, v in seeds.items()}
     plan.search["options"] = options.switches()
     plan.search["time_s"] = round(clock.elapsed(), 3)
+    plan.training = options.setup
     return plan

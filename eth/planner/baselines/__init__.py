@@ -35,7 +35,10 @@ def plan_baseline(strategy: str, model, cluster, profiles, gbs: int, options=Non
         raise SpecError(f"unknown baseline strategy {strategy!r}; known: {', '.join(BASELINES)}")
     if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0:
         raise SpecError(f"gbs must be a positive integer, got {gbs!r}")
-    return planners[strategy](model, cluster, profiles, gbs, BaselineOptions.from_any(options))
+    options = BaselineOptions.from_any(options)
+    plan = planners[strategy](model, cluster, profiles, gbs, options)
+    plan.training = options.setup
+    return plan
 
 
 __all__ = ["BASELINES", "BaselineOptions", "plan_baseline"]

@@ -14,6 +14,7 @@ from eth.cost import CostModel
 from eth.errors import InfeasibleError, SpecError
 from eth.model import LAYER_OPS
 from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.precision import TrainSetup
 from eth.planner.evaluate import Evaluator, PipeState, StageState
 from eth.planner.progress import Clock, progress_bar  # noqa: F401  (re-exported to the baselines)
 
@@ -54,6 +55,8 @@ class BaselineOptions:
     uniform always uses one mode for all stages; typesplit always uses the HPP rule."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
+    setup: TrainSetup = TrainSetup()
+    """Precision, ZeRO stage and gradient dtype to plan for (see SearchOptions.setup)."""
 
     def __post_init__(self):
         if self.recompute not in ("stage", "op"):

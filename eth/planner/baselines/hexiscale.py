@@ -98,7 +98,7 @@ def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep,
 
 def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles)
+    cost = CostModel(model, cluster, profiles, options.setup)
     ev = make_evaluator(cost, options)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
     counts = unit.count

@@ -30,7 +30,7 @@ from eth.planner.pipeline import adaptive_budgets
 
 def plan_metis(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles)
+    cost = CostModel(model, cluster, profiles, options.setup)
     ev = make_evaluator(cost, options)
     blocks = make_blocks(cluster, options.max_blocks_per_type)
     vec = blocks.count

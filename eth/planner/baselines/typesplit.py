@@ -168,7 +168,7 @@ def polish_group(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, 
 
 def plan_typesplit(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles)
+    cost = CostModel(model, cluster, profiles, options.setup)
     ev = Evaluator(cost)
     blocks = make_blocks(cluster, options.max_blocks_per_type)
     nt = len(blocks.types)

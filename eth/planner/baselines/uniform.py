@@ -61,7 +61,7 @@ def uniform_plan(model, cluster, order, size: int, tp: int, mbs: int, gbs: int, 
 
 def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles)
+    cost = CostModel(model, cluster, profiles, options.setup)
     best = Best()
     counts = cluster.type_counts()
     g = math.gcd(*counts.values())
