@@ -10,7 +10,7 @@ import sys
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hpp-plan", required=True, help="plan JSON (tools/search_hpp.py output)")
     p.add_argument("--train-iters", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -22,6 +22,26 @@ def parse_args(argv=None):
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--data-path", default=None, help="byte-level text file (default: synthetic data)")
     p.add_argument("--save-params", default=None, help="rank 0 writes full parameters + losses here")
+    g = p.add_argument_group("gradient path (default: what the plan was made for, plan.training)")
+    g.add_argument("--grad-sync", default="block", choices=("block", "device", "tensor"),
+                   help="block-wise All-Reduce (paper 4.3), or device-wise (padded) / tensor-wise "
+                        "(one collective per tensor shard) for comparison")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
+                   help="largest gradient bucket in elements (one collective each, launched during "
+                        "the backward pass); 0 = one per fused buffer")
+    g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2),
+                   help="must match the plan's; 1 shards optimizer state, 2 also gradients")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 weights/activations (must match the plan)")
+    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
+                      help="fp16 with dynamic loss scaling (must match the plan)")
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                      help="fp32 throughout (must match the plan)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
+                   help="fp16: starting dynamic loss scale (torch.amp's default 2^16)")
+    g.add_argument("--grad-reduce-in-bf16", dest="grad_reduce", action="store_const", const="bf16",
+                   default=None, help="accumulate and reduce gradients in bf16 (must match the plan)")
     return p.parse_args(argv)
 
 
@@ -34,7 +54,10 @@ def main(argv=None) -> int:
         cfg = TrainConfig(plan=args.hpp_plan, train_iters=args.train_iters, lr=args.lr,
                           min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
                           clip_grad=args.clip_grad, seed=args.seed, log_interval=args.log_interval,
-                          data_path=args.data_path, save_params=args.save_params)
+                          data_path=args.data_path, save_params=args.save_params,
+                          grad_sync=args.grad_sync, bucket_numel=args.ddp_bucket_size,
+                          precision=args.precision, zero_stage=args.zero_stage,
+                          grad_reduce=args.grad_reduce, initial_loss_scale=args.initial_loss_scale)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,116 +1,235 @@
-"""Gradient synchronisation across every replica of a parameter, AdamW, global norm.
+"""Gradient reduction across every replica of a parameter, on the layout of ``eth.blocks``.
 
-A logical parameter (``model.ShardSpec``) is held by every pipeline, possibly at
-different tp degrees and in stages with different layer ranges.  Method (a simple,
-correct reference for the block-wise All-Reduce of the paper, section 4.3, which
-will replace :meth:`GradSync.sync` behind the same interface):
+:class:`GradReducer` owns one flat gradient buffer per :class:`eth.blocks.Buffer` this
+rank participates in (fp32 by default, bf16 with ``grad_reduce="bf16"``), with every
+piece at the offset the layout gives, so the buffers are reduced as they are -- no
+packing copy.  Accumulation follows Megatron's DDP: a post-accumulate-grad hook adds
+each parameter's ``.grad`` (compute dtype) into its pieces' places in the buffers
+(fp32 main gradients) and drops ``.grad``.  The schedule calls
+:meth:`GradReducer.final_backward` before a rank's last micro-batch backward; from
+then on a buffer is launched (async collective) as soon as every parameter that adds
+to it has had its last gradient, in the rank's fixed launch order (descending model
+position, identical on every participant), so the reduction of late layers overlaps
+the backward of early ones.  :meth:`finish` launches what is left and waits.
 
-1. every holder writes its gradient shard into a zero, full-size buffer at its tp
-   slice (a tp-replicated parameter: tp rank 0 only, since all tp ranks hold the
-   same gradient);
-2. buffers of all parameters with the same holder set are concatenated and summed in
-   one all-reduce over that hold group (topology ``hold`` groups);
-3. each holder copies its tp slice back into ``.grad``.
+Collectives per ZeRO stage (``eth.precision.TrainSetup``): stage 0 all-reduces the
+buffer; stages 1 and 2 reduce-scatter the buffer padded to N equal shards (in place:
+participant i's shard is its own slice of the buffer).  Stage 2 allocates the full
+buffer only for the backward pass of a step and keeps just its shard afterwards.
 
-Blocks held by a single tp group (one replica of one stage) are skipped
-(:func:`needs_reduce`).
-
-Losses are normalised by the global batch (see training), so the sum over pipelines
-and dp replicas is the gradient of the whole global batch.
-
-Ownership for counting each element once (norm, parameter gathering): pipeline 0,
-dp rank 0, and for tp-replicated parameters tp rank 0.
+Losses are normalised by the global batch (see training), so the reduced sum is the
+gradient of the whole global batch.  :func:`global_grad_norm` sums the squares of
+each rank's shard of every buffer (the shards partition the model: each element
+counted once).  :func:`gather_parameters` collects full parameters on rank 0 (tests).
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron.hpp.model import all_specs
 
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def piece_view(flat: torch.Tensor, offset: int, piece) -> torch.Tensor:
+    """The piece at ``offset`` of a flat buffer, shaped as the piece."""
+    return flat[offset:offset + piece.numel].view(piece.shape)
+
+
+def region_views(piece_tensor: torch.Tensor, local: torch.Tensor, region):
+    """(piece part, local part) of a :class:`eth.blocks.Region`."""
+    if region.dim is None:
+        return piece_tensor, local
+    return (piece_tensor.narrow(region.dim, region.piece_start, region.length),
+            local.narrow(region.dim, region.local_start, region.length))
+
+
+@dataclass
+class Bucket:
+    """One layout buffer on this rank: its gradient storage and collective state."""
+
+    buf: object
+    """eth.blocks.Buffer."""
+    group: object
+    """ProcessGroup of the participants (None: this rank alone)."""
+    index: int
+    """This rank's position among the participants."""
+    held: list = field(default_factory=list)
+    """(local param, offset, piece, region) of every piece part this rank holds."""
+    adders: set = field(default_factory=set)
+    """Local parameter names whose gradients this rank adds to the bucket."""
+    data: torch.Tensor | None = None
+    shard_grad: torch.Tensor | None = None
+    """ZeRO 2: this rank's reduced shard, kept after the full buffer is freed."""
+    remaining: int = 0
+    work: object = None
+
+    @property
+    def step_range(self) -> tuple[int, int]:
+        """[lo, hi) of buffer elements this rank steps and counts (ZeRO shard; the whole
+        buffer's shard for the norm under ZeRO 0 is :meth:`norm_range`)."""
+        return self.buf.shard(self.buf.ranks[self.index])
+
+
+class GradReducer:
+    """Gradient buffers, accumulation hooks and the reduction of one stage model."""
+
+    def __init__(self, model, topo, layout, setup, device):
+        self.rank, self.zero, self.layout = topo.rank, setup.zero_stage, layout
+        self.dtype, self.device = GRAD_DTYPES[setup.grad_reduce], device
+        local = {model.shard_specs[n].name: p for n, p in model.named_parameters()}
+        self.buckets: list[Bucket] = []
+        self._targets: dict[str, list] = {name: [] for name in local}
+        for i, buf in enumerate(layout.buffers_of(self.rank)):
+            group = topo.groups[buf.ranks] if len(buf.ranks) > 1 else None
+            b = Bucket(buf, group, buf.ranks.index(self.rank))
+            for piece, offset in zip(buf.pieces, buf.offsets):
+                region = layout.region(self.rank, piece)
+                if region is None:
+                    continue
+                name = piece.spec.name
+                b.held.append((local[name], offset, piece, region))
+                if layout.contributes(self.rank, piece):
+                    b.adders.add(name)
+                    self._targets[name].append((i, offset, piece, region))
+            if self.zero < 2:
+                b.data = self._alloc(buf)
+            self.buckets.append(b)
+        # launched_early: collectives of the last step launched during its backward pass
+        self.final, self._next, self._finishing, self.launched_early = False, 0, False, 0
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(name)) for name, p in local.items()]
+        self.collectives: list = []
+        """(participants, bytes) of every collective of the last step (diagnostics, tests)."""
+
+    def _alloc(self, buf) -> torch.Tensor:
+        size = buf.padded_numel if self.zero > 0 else buf.numel
+        return torch.zeros(size, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ backward
+    def start_step(self) -> None:
+        """Zero the buffers (ZeRO 0/1; ZeRO 2 allocates them at the first gradient)."""
+        for b in self.buckets:
+            if b.data is not None:
+                b.data.zero_()
+            b.remaining, b.work, b.shard_grad = len(b.adders), None, None
+        self.final, self._next, self.collectives = False, 0, []
+        self._finishing, self.launched_early = False, 0
+
+    def final_backward(self) -> None:
+        """Called before this rank's last micro-batch backward of the step."""
+        self.final = True
+        self._launch_ready()
+
+    def _hook(self, name):
+        targets = self._targets[name]
+        mine = sorted({i for i, *_ in targets})
+
+        def hook(param):
+            grad = param.grad
+            for i, offset, piece, region in targets:
+                b = self.buckets[i]
+                if b.data is None:
+                    b.data = self._alloc(b.buf)
+                dst, src = region_views(piece_view(b.data, offset, piece), grad, region)
+                dst.add_(src)
+            param.grad = None
+            if self.final and mine:
+                for i in mine:
+                    self.buckets[i].remaining -= 1
+                self._launch_ready()
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if b.data is None:   # ZeRO 2 and no gradient added on this rank
+            b.data = self._alloc(b.buf)
+        if b.group is None:
+            return
+        self.launched_early += not self._finishing
+        nbytes = b.data.numel() * b.data.element_size()
+        self.collectives.append((b.buf.ranks, nbytes))
+        if self.zero == 0:
+            b.work = dist.all_reduce(b.data, group=b.group, async_op=True)
+        else:
+            s = b.buf.shard_size
+            b.work = dist.reduce_scatter_tensor(b.data[b.index * s:(b.index + 1) * s], b.data,
+                                                group=b.group, async_op=True)
+
+    def finish(self) -> None:
+        """Launch what is left (in order) and wait for every reduction."""
+        self.final, self._finishing = True, True
+        for b in self.buckets:
+            b.remaining = 0
+        self._launch_ready()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if self.zero == 2:
+                s = b.buf.shard_size
+                b.shard_grad = b.data[b.index * s:(b.index + 1) * s].clone()
+                b.data = None
+
+    # ------------------------------------------------------------------ reduced gradients
+    def step_grad(self, b: Bucket) -> tuple[int, torch.Tensor]:
+        """(first element, reduced gradient) of what this rank steps in bucket ``b``:
+        the whole buffer with ZeRO 0, its shard with ZeRO 1/2."""
+        if self.zero == 0:
+            return 0, b.data[:b.buf.numel]
+        lo, hi = b.step_range
+        s = b.buf.shard_size
+        shard = b.shard_grad if self.zero == 2 else b.data[b.index * s:(b.index + 1) * s]
+        return lo, shard[:hi - lo]
+
+    def norm_grads(self):
+        """This rank's share of every buffer for the global norm (each element once)."""
+        for b in self.buckets:
+            lo, hi = b.step_range
+            start, grad = self.step_grad(b)
+            yield grad[lo - start:hi - start]
+
+    def state_bytes(self) -> int:
+        """Bytes of gradient storage alive now (buffers and ZeRO-2 shards)."""
+        return sum(t.numel() * t.element_size() for b in self.buckets
+                   for t in (b.data, b.shard_grad) if t is not None)
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+def global_grad_norm(reducer: GradReducer, device) -> float:
+    """L2 norm of the full reduced gradient, every element counted once (all ranks call)."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in reducer.norm_grads():
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """torch's clip_grad_norm_ factor: max_norm / (norm + 1e-6) when below 1, else 1."""
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            return coef
+    return 1.0
+
 
 def _owns(topo, spec) -> bool:
     return topo.pipeline == 0 and topo.dp_rank == 0 and (spec.dim is not None or topo.tp_rank == 0)
 
 
-def needs_reduce(layout, holders) -> bool:
-    """False when the holders of a block are exactly one tp group (one replica of one
-    stage, e.g. every block of a single pipeline of dp 1 stages): its tp ranks already
-    hold complete gradients -- their own shards, and identical copies of tp-replicated
-    parameters -- so there is nothing to reduce across replicas."""
-    return tuple(sorted(holders)) not in {tuple(sorted(g.ranks)) for g in layout.groups if g.kind == "tp"}
-
-
-class GradSync:
-    """Fused per-hold-group gradient all-reduce for one stage model (see module docstring)."""
-
-    def __init__(self, model, topo):
-        self.topo = topo
-        buckets: dict = {}
-        for name, param in model.named_parameters():
-            spec = model.shard_specs[name]
-            ranks = topo.layout.holders[spec.block]
-            buckets.setdefault(ranks, (topo.hold_groups[spec.block], []))[1].append((param, spec))
-        self.buckets = [(ranks, group, entries) for ranks, (group, entries) in buckets.items()
-                        if needs_reduce(topo.layout, ranks)]
-
-    def sync(self) -> None:
-        tp, tp_rank = self.topo.stage.tp, self.topo.tp_rank
-        for _, group, entries in self.buckets:
-            sizes = [math.prod(spec.full_shape) for _, spec in entries]
-            param0 = entries[0][0]
-            flat = torch.zeros(sum(sizes), dtype=param0.dtype, device=param0.device)
-            views = [v.view(spec.full_shape) for v, (_, spec) in zip(flat.split(sizes), entries)]
-            for view, (param, spec) in zip(views, entries):
-                if param.grad is None or (spec.dim is None and tp_rank != 0):
-                    continue
-                spec.local(view, tp_rank, tp).copy_(param.grad)
-            dist.all_reduce(flat, group=group)
-            for view, (param, spec) in zip(views, entries):
-                local = spec.local(view, tp_rank, tp)
-                if param.grad is None:
-                    param.grad = local.clone()
-                else:
-                    param.grad.copy_(local)
-
-
-def global_grad_norm(model, topo) -> float:
-    """L2 norm of the full gradient, every element counted once (all ranks call)."""
-    sq = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
-    for name, param in model.named_parameters():
-        if param.grad is not None and _owns(topo, model.shard_specs[name]):
-            sq += param.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq)
-    return float(sq.sqrt())
-
-
-def clip_gradients(model, topo, max_norm: float) -> float:
-    """Scale gradients so the global norm is at most max_norm (torch's clip_grad_norm_
-    convention: factor max_norm / (norm + 1e-6)).  Returns the norm before clipping."""
-    norm = global_grad_norm(model, topo)
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for param in model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(coef)
-    return norm
-
-
-def make_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.95), eps=1e-8):
-    """AdamW on the local shards; no weight decay for 1-D parameters (biases, norms)."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (decay if len(model.shard_specs[name].full_shape) > 1 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-
-
 def gather_parameters(model, topo) -> dict | None:
-    """Full parameters by logical name on rank 0 (None elsewhere); all ranks call."""
+    """Full fp32 parameters by logical name on rank 0 (None elsewhere); all ranks call."""
     local = {model.shard_specs[n].name: p for n, p in model.named_parameters()}
     device = next(model.parameters()).device
     out = {}

@@ -24,66 +24,18 @@ import contextlib
 import functools
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from eth.model import ModelSpec
+from eth.params import (ShardSpec, all_specs, embedding_specs, head_specs,  # noqa: F401 (re-exported)
+                        layer_specs)
 from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
 
 INIT_STD = 0.02
 LN_EPS = 1e-5
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a local parameter relates to the plan-independent full parameter."""
-
-    name: str
-    """Logical name, the same in every plan ("layer 3.qkv.weight", "embedding.word")."""
-    block: str
-    """Block key of the topology's hold groups ("embedding", "layer 3", "head")."""
-    full_shape: tuple
-    dim: int | None
-    """tp partition dimension; None = replicated on the tp ranks."""
-    init: str
-    """"normal", "scaled" (std / sqrt(2 L)), "zeros" or "ones"."""
-
-    def local(self, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
-        return full if self.dim is None else full.chunk(tp, self.dim)[tp_rank]
-
-
-def layer_specs(spec: ModelSpec, layer: int) -> dict[str, ShardSpec]:
-    h, f, b = spec.hidden, spec.ffn, f"layer {layer}"
-    table = {"ln1.weight": ((h,), None, "ones"), "ln1.bias": ((h,), None, "zeros"),
-             "qkv.weight": ((3 * h, h), 0, "normal"), "qkv.bias": ((3 * h,), 0, "zeros"),
-             "dense.weight": ((h, h), 1, "scaled"), "dense.bias": ((h,), None, "zeros"),
-             "ln2.weight": ((h,), None, "ones"), "ln2.bias": ((h,), None, "zeros"),
-             "fc1.weight": ((f, h), 0, "normal"), "fc1.bias": ((f,), 0, "zeros"),
-             "fc2.weight": ((h, f), 1, "scaled"), "fc2.bias": ((h,), None, "zeros")}
-    return {k: ShardSpec(f"{b}.{k}", b, *v) for k, v in table.items()}
-
-
-def embedding_specs(spec: ModelSpec) -> dict[str, ShardSpec]:
-    return {"word.weight": ShardSpec("embedding.word", "embedding", (spec.vocab, spec.hidden), 0, "normal"),
-            "pos": ShardSpec("embedding.pos", "embedding", (spec.seq_len, spec.hidden), None, "normal")}
-
-
-def head_specs(spec: ModelSpec) -> dict[str, ShardSpec]:
-    h = spec.hidden
-    return {"ln.weight": ShardSpec("head.ln.weight", "head", (h,), None, "ones"),
-            "ln.bias": ShardSpec("head.ln.bias", "head", (h,), None, "zeros"),
-            "out.weight": ShardSpec("head.out.weight", "head", (spec.vocab, h), 0, "normal")}
-
-
-def all_specs(spec: ModelSpec) -> list[ShardSpec]:
-    """Every logical parameter of the model, in model order."""
-    out = list(embedding_specs(spec).values())
-    for layer in range(spec.num_layers):
-        out += layer_specs(spec, layer).values()
-    return out + list(head_specs(spec).values())
 
 
 def full_parameter(spec: ModelSpec, shard: ShardSpec, seed: int) -> torch.Tensor:
@@ -316,7 +268,7 @@ class GPTStage(torch.nn.Module):
         """Sum over samples of the per-sample mean token loss, times ``loss_scale``."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = self.out(self.ln(x))[0]  # [s, b, vocab / tp]
+        logits = self.out(self.ln(x))[0].float()  # [s, b, vocab / tp]; the loss in fp32
         with tp_group_globals(self.tp_group):
             losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
         return losses.mean(dim=0).sum() * loss_scale

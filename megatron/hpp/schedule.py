@@ -213,13 +213,15 @@ class StageComm:
 
 
 def one_f_one_b(model, topo, comm: StageComm, get_batch, loss_scale: float,
-                clock: ComputeClock) -> torch.Tensor:
+                clock: ComputeClock, last_backward=None) -> torch.Tensor:
     """Run one training step's forward and backward passes of this rank's stage.
 
     ``get_batch(mb)`` returns (inputs, labels) of this rank's dp slice of micro-batch
     mb (inputs used on the first stage, labels on the last).  Returns the summed scaled
     loss of this rank's samples (zero off the last stage); gradients accumulate in
-    the parameters' ``.grad``.  Communication order is megatron-core's
+    the parameters' ``.grad`` (or wherever their hooks put them).  ``last_backward()``,
+    if given, is called just before the last micro-batch's backward, so that gradient
+    reduction can start as layers finish it.  Communication order is megatron-core's
     ``forward_backward_pipelining_without_interleaving``.
     """
     num_mb, num_stages, j = topo.pipe.num_microbatches, topo.num_stages, topo.stage_index
@@ -243,6 +245,8 @@ def one_f_one_b(model, topo, comm: StageComm, get_batch, loss_scale: float,
     def backward(grad):
         """Backward of the oldest in-flight micro-batch; returns (mb, input grad)."""
         mb, inputs, out = in_flight.popleft()
+        if mb == num_mb - 1 and last_backward is not None:
+            last_backward()
         clock.run(torch.autograd.backward, out, grad)
         return mb, (None if first else inputs.grad)
 

@@ -13,7 +13,8 @@ Two layers:
 
 Groups (created in this order, duplicates by rank set created once):
 
-* ``tp``: per stage and dp replica, the tp ranks ``ranks[d*tp:(d+1)*tp]``;
+* ``tp``: per stage and dp replica, the tp ranks ``ranks[d*tp:(d+1)*tp]``, tp rank t
+  being the t-th smallest (``StagePlan.replica``: torch orders a group by rank);
 * ``hold``: per parameter block (``embedding``, ``layer {l}``, ``head``: final
   layernorm + output layer), every rank of every pipeline that holds the block; the
   gradient all-reduce of :mod:`megatron.hpp.grad_sync` runs in it.
@@ -37,6 +38,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from eth.errors import PlanError, SpecError
+from eth.params import block_keys  # noqa: F401 (re-exported)
 from eth.plan import Plan, StagePlan, load_plan
 
 
@@ -58,13 +60,6 @@ class GroupSpec:
     kind: str
     name: str
     ranks: tuple[int, ...]
-
-
-def block_keys(start: int, end: int, first: bool, last: bool) -> list[str]:
-    """Parameter blocks held by a stage of layers [start, end) (first/last of its pipeline)."""
-    keys = ["embedding"] if first else []
-    keys += [f"layer {layer}" for layer in range(start, end)]
-    return keys + (["head"] if last else [])
 
 
 @dataclass(frozen=True)
@@ -96,7 +91,7 @@ class Layout:
         for i, pipe in enumerate(plan.pipelines):
             for j, stage in enumerate(pipe.stages):
                 for d in range(stage.dp):
-                    ranks = tuple(stage.ranks[d * stage.tp:(d + 1) * stage.tp])
+                    ranks = stage.replica(d)
                     tp_groups.append(GroupSpec("tp", f"tp p{i} s{j} d{d}", ranks))
                     for t, r in enumerate(ranks):
                         slots[r] = RankSlot(r, i, j, t, d)
@@ -154,6 +149,9 @@ class Topology:
     """ProcessGroup of this rank's tp ranks (same stage, same dp replica)."""
     hold_groups: dict
     """Block key -> ProcessGroup of all ranks holding that block."""
+    groups: dict = field(default_factory=dict)
+    """Sorted rank tuple -> ProcessGroup, for every group this rank belongs to (tp, hold
+    and the gradient layout's participant sets)."""
     pg_collection: object = None
     """megatron.core ProcessGroupCollection (tp) for megatron-core APIs that take one."""
 
@@ -257,8 +255,11 @@ def check_plan(plan: Plan, world_size: int) -> Layout:
     return Layout(plan, world_size)
 
 
-def build_topology(layout: Layout, rank: int, device_name: str | None = None) -> Topology:
-    """Create every group of ``layout`` (all ranks, same order) and return rank's view.
+def build_topology(layout: Layout, rank: int, device_name: str | None = None,
+                   extra_groups=()) -> Topology:
+    """Create every group of ``layout``, then ``extra_groups`` (sorted rank tuples, e.g.
+    ``eth.blocks.GradLayout.groups()``), on all ranks in the same order, and return
+    rank's view.  A rank set is created once whatever lists it.
 
     Needs an initialised default process group.  ``device_name`` (CUDA only) is
     compared loosely with the stage's device type; a mismatch is only a warning.
@@ -272,19 +273,22 @@ def build_topology(layout: Layout, rank: int, device_name: str | None = None) ->
         if wanted not in have:
             warnings.warn(f"rank {rank}: plan stage expects a {stage.device_type}, "
                           f"this device is a {device_name}")
-    handles = {}
-    for g in layout.groups:
-        pg = dist.new_group(list(g.ranks))
-        if rank in g.ranks:
-            handles[g.ranks] = pg
+    handles, created = {}, set()
+    for ranks in [tuple(sorted(g.ranks)) for g in layout.groups] + [tuple(r) for r in extra_groups]:
+        if ranks in created:
+            continue
+        created.add(ranks)
+        pg = dist.new_group(list(ranks))
+        if rank in ranks:
+            handles[ranks] = pg
     slot = layout.slots[rank]
-    tp_group = handles[tuple(stage.ranks[slot.dp_rank * stage.tp:(slot.dp_rank + 1) * stage.tp])]
+    tp_group = handles[stage.replica(slot.dp_rank)]
     pipe = layout.plan.pipelines[slot.pipeline]
     keys = block_keys(*stage.layers, slot.stage == 0, slot.stage == len(pipe.stages) - 1)
     hold = {k: handles[layout.holders[k]] for k in keys}
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return Topology(layout, rank, tp_group, hold, ProcessGroupCollection(tp=tp_group))
+    return Topology(layout, rank, tp_group, hold, handles, ProcessGroupCollection(tp=tp_group))
 
 
 def _ranges(ranks) -> str:

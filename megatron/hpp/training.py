@@ -8,10 +8,12 @@ Order of work on every rank (all ranks read the same plan, so all fail alike):
    line on stderr and exit code 2 instead of a hang; rank 0 warns (one line) when
    LOCAL_WORLD_SIZE puts a tp group across nodes;
 2. init the default group (nccl+cuda or gloo+cpu), build the topology (all groups);
-3. build this rank's stage, the gradient sync and AdamW;
-4. per iteration: 1F1B over the pipeline's micro-batches (loss scaled by 1/gbs),
-   gradient sync, global-norm clipping, AdamW step; rank 0 logs loss, iteration time
-   and each pipeline's compute time (max over its ranks).
+3. build this rank's stage (in the plan's precision), the gradient reducer on the
+   chosen layout (``eth.blocks``: block, device or tensor) and the ZeRO-sharded AdamW;
+4. per iteration: 1F1B over the pipeline's micro-batches (loss scaled by 1/gbs, and
+   by the loss scale in fp16), buffers reduced as layers finish their last backward,
+   global-norm clipping, AdamW on the main-weight shards, weight write-back (all-gather
+   with ZeRO 1/2); rank 0 logs loss, iteration time and each pipeline's compute time.
 """
 from __future__ import annotations
 
@@ -49,6 +51,20 @@ class TrainConfig:
     """Byte-level text file; None: synthetic data."""
     save_params: str | None = None
     """Write full parameters and losses here at the end (rank 0, atomic)."""
+    grad_sync: str = "block"
+    """Gradient synchronisation: block (paper 4.3), device (padded) or tensor (per tensor)."""
+    bucket_numel: int = 40_000_000
+    """Largest gradient bucket in elements (one collective each, launched during the
+    backward pass); 0 = one bucket per fused buffer.  Megatron DDP's default size."""
+    precision: str | None = None
+    """fp32, bf16 or fp16; None = the plan's (``plan.training``)."""
+    zero_stage: int | None = None
+    """0, 1 or 2; None = the plan's."""
+    grad_reduce: str | None = None
+    """Gradient accumulation/reduction dtype fp32 or bf16; None = the plan's."""
+    initial_loss_scale: float = 2.0 ** 16
+    """fp16: the dynamic loss scale to start from (halved after 2 overflowing steps in a
+    row, each of them skipped; doubled after 1000 clean steps)."""
 
     def __post_init__(self):
         if self.train_iters <= 0:
@@ -58,6 +74,26 @@ class TrainConfig:
         if self.warmup < 0 or self.log_interval <= 0 or self.clip_grad < 0:
             raise SpecError(f"--warmup {self.warmup}, --log-interval {self.log_interval}, "
                             f"--clip-grad {self.clip_grad}: need warmup >= 0, interval > 0, clip >= 0")
+        from eth.blocks import STRATEGIES
+
+        if self.grad_sync not in STRATEGIES:
+            raise SpecError(f"--grad-sync {self.grad_sync!r} is not one of {', '.join(STRATEGIES)}")
+        if not (math.isfinite(self.initial_loss_scale) and self.initial_loss_scale >= 1):
+            raise SpecError(f"--initial-loss-scale must be a finite number >= 1, got {self.initial_loss_scale}")
+        if self.bucket_numel < 0:
+            raise SpecError(f"--ddp-bucket-size must be >= 0, got {self.bucket_numel}")
+
+    def setup_for(self, plan):
+        """The plan's TrainSetup; a flag that contradicts it is a SpecError."""
+        wanted = plan.training
+        for name, flag in (("precision", "--bf16/--fp16"), ("zero_stage", "--zero-stage"),
+                           ("grad_reduce", "--grad-reduce-in-bf16")):
+            given = getattr(self, name)
+            if given is not None and given != getattr(wanted, name):
+                raise SpecError(f"{flag} asks for {name} {given!r} but the plan was made for "
+                                f"{getattr(wanted, name)!r} (plan.training {wanted.to_dict()}); "
+                                f"re-plan with tools/search_hpp.py or drop the flag")
+        return wanted
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate of 0-based ``iteration``: linear warm-up, then cosine to min_lr."""
@@ -82,9 +118,13 @@ def prepare(cfg: TrainConfig):
     """Step 1 (pure Python: no torch import, no process group): returns (plan, layout, rank)."""
     from megatron.hpp.topology import check_plan
 
+    from eth.blocks import GradLayout
+
     plan = load_plan(cfg.plan)
     world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     layout = check_plan(plan, world)
+    cfg.setup_for(plan)
+    GradLayout(plan, cfg.grad_sync, cfg.bucket_numel)   # e.g. tp degrees block-wise cannot align
     if cfg.data_path is not None:
         if plan.model.vocab < 256:
             raise SpecError(f"--data-path needs a byte vocabulary: model vocab {plan.model.vocab} < 256")
@@ -101,45 +141,56 @@ class StepResult:
     loss: float
     """Mean per-sample loss of the global batch (all pipelines)."""
     grad_norm: float
-    """Global gradient norm before clipping."""
+    """Global gradient norm before clipping (inf/nan on an fp16 overflow)."""
     compute_s: list
     """Per pipeline: compute seconds of its slowest rank (emulation included)."""
     elapsed_s: float
+    skipped: bool = False
+    """fp16: the step found inf/nan gradients and was skipped (the loss scale backs off)."""
+    loss_scale: float = 1.0
 
 
 class Trainer:
-    """Steps 2-3 in the constructor (default group, topology, stage, optimizer); step 4
-    in :meth:`step`.  Needs RANK/WORLD_SIZE/MASTER_* unless a default group exists."""
+    """Steps 2-3 in the constructor (default group, topology, stage, gradient reducer,
+    sharded optimizer); step 4 in :meth:`step`.  Needs RANK/WORLD_SIZE/MASTER_* unless
+    a default group exists."""
 
     def __init__(self, cfg: TrainConfig, layout, rank: int):
         from megatron.hpp import compat
 
         compat.quiet_megatron_warnings()
-        import torch
         import torch.distributed as dist
 
+        from eth.blocks import GradLayout
         from megatron.hpp.data import ByteTextData, SyntheticData
-        from megatron.hpp.grad_sync import GradSync, make_optimizer
+        from megatron.hpp.grad_sync import GradReducer
         from megatron.hpp.model import GPTStage
+        from megatron.hpp.optimizer import COMPUTE_DTYPES, ShardedAdamW, make_grad_scaler
         from megatron.hpp.schedule import StageComm
         from megatron.hpp.topology import build_topology, rng_seeds
 
         self.cfg, self.plan, spec = cfg, layout.plan, layout.plan.model
+        self.setup = setup = cfg.setup_for(self.plan)
+        self.grad_layout = GradLayout(self.plan, cfg.grad_sync, cfg.bucket_numel)
         self.backend = backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
         if not dist.is_initialized():
             dist.init_process_group(backend.name, rank=rank, world_size=layout.world_size)
-        self.topo = topo = build_topology(layout, rank, compat.device_name(backend))
+        self.topo = topo = build_topology(layout, rank, compat.device_name(backend),
+                                          self.grad_layout.groups())
         stage = topo.stage
         stage_seed, _ = rng_seeds(layout, rank, cfg.seed)  # tracker: stage_seed + 2718 + tp rank
         tracker = compat.setup_rng(backend, stage_seed, stage_seed, topo.tp_rank)
+        dtype = COMPUTE_DTYPES[setup.precision]
         self.model = GPTStage(spec, stage.layers, topo.is_first, topo.is_last, topo.tp_group, tracker,
-                              stage.recompute, cfg.seed).to(backend.device)
+                              stage.recompute, cfg.seed).to(device=backend.device, dtype=dtype)
         self.model.train()
-        self.sync = GradSync(self.model, topo)
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        self.reducer = GradReducer(self.model, topo, self.grad_layout, setup, backend.device)
+        self.optimizer = ShardedAdamW(self.model, topo, self.reducer, setup, cfg.lr, cfg.weight_decay,
+                                      cfg.seed)
+        self.scaler = make_grad_scaler(setup.precision, cfg.initial_loss_scale)
         self.source = (ByteTextData(cfg.data_path, spec.vocab, spec.seq_len, cfg.seed) if cfg.data_path
                        else SyntheticData(spec.vocab, spec.seq_len, cfg.seed))
-        self.comm = StageComm(topo, (spec.seq_len, spec.hidden), torch.float32, backend.device)
+        self.comm = StageComm(topo, (spec.seq_len, spec.hidden), dtype, backend.device)
         self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
         self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
         dist.barrier()  # start the first step together, so its logged time means something
@@ -157,36 +208,43 @@ class Trainer:
         import torch.distributed as dist
 
         from megatron.hpp import compat
-        from megatron.hpp.grad_sync import clip_gradients
+        from megatron.hpp.grad_sync import clip_coefficient, global_grad_norm
         from megatron.hpp.schedule import ComputeClock, one_f_one_b
 
         backend, topo, num_pipes = self.backend, self.topo, len(self.plan.pipelines)
         t0 = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr_at(iteration)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.set_lr(self.cfg.lr_at(iteration))
+        self.reducer.start_step()
+        scale = float(self.scaler.scale) if self.scaler is not None else 1.0
         clock = ComputeClock(self.speed, cuda_events=not backend.is_cpu)  # CUDA: events, no syncs
         loss = one_f_one_b(self.model, topo, self.comm, lambda mb: self._batch(iteration, mb),
-                           1.0 / self.plan.gbs, clock)
-        self.sync.sync()
-        grad_norm = clip_gradients(self.model, topo, self.cfg.clip_grad)
-        self.optimizer.step()
+                           scale / self.plan.gbs, clock, self.reducer.final_backward)
+        self.reducer.finish()
+        grad_norm = global_grad_norm(self.reducer, backend.device) / scale
+        skipped = not math.isfinite(grad_norm) and self.scaler is not None
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        if not skipped:
+            self.optimizer.step(clip_coefficient(grad_norm, self.cfg.clip_grad) / scale)
         compat.synchronize(backend)
         stats = torch.zeros(1 + num_pipes, dtype=torch.float64, device=backend.device)
         if topo.tp_rank == 0:
-            stats[0] = loss.item()
+            stats[0] = loss.item() / scale
         stats[1 + topo.pipeline] = clock.total_seconds()
         summed = stats.clone()
         dist.all_reduce(summed)                      # loss: sum over last-stage replicas
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute: slowest rank of each pipeline
-        return StepResult(float(summed[0]), grad_norm, stats[1:].tolist(), time.perf_counter() - t0)
+        return StepResult(float(summed[0]), grad_norm, stats[1:].tolist(), time.perf_counter() - t0,
+                          skipped, scale)
 
     def log_line(self, iteration: int, r: StepResult) -> str:
         per_pipe = ", ".join(f"p{i} {t * 1e3:.1f}" for i, t in enumerate(r.compute_s))
+        extra = f" | loss scale {r.loss_scale:g}" if self.scaler is not None else ""
+        extra += " | skipped (inf/nan gradients)" if r.skipped else ""
         return (f"iteration {iteration + 1}/{self.cfg.train_iters} | loss {r.loss:.6f} | grad norm "
                 f"{r.grad_norm:.4f} | lr {self.cfg.lr_at(iteration):.3g} | time "
                 f"{r.elapsed_s * 1e3:.1f} ms | compute ms {per_pipe}"
-                + (" (emulated)" if self.emulated else ""))
+                + (" (emulated)" if self.emulated else "") + extra)
 
 
 def train(cfg: TrainConfig, layout, rank: int) -> list[float]:

@@ -87,3 +87,21 @@ def large_1024() -> Plan:
                 stages.append(StagePlan(ranks, kind, tp, 4, (j * per, (j + 1) * per)))
             pipes.append(PipelinePlan(4, lbs, stages))
     return Plan(model=model, cluster=c, gbs=1024, pipelines=pipes)
+
+
+def tp_1_2_4_same_layers() -> Plan:
+    """(f) three pipelines hold every layer at tp 4, 2 and 1; the tp 4 stage lists its
+    ranks out of order ([3, 1, 0, 2]) and the tp 2 one as [5, 4].  Every block has 3
+    replicas and g = lcm(4, 2, 1) = 4 sub-blocks; lbs 8 / 4 / 4, mbs 2 / 2 / 4."""
+    return make(7, [PipelinePlan(2, 8, [stage([3, 1, 0, 2], 4, 1, (0, 4))]),
+                    PipelinePlan(2, 4, [stage([5, 4], 2, 1, (0, 4))]),
+                    PipelinePlan(4, 4, [stage([6], 1, 1, (0, 4))])])
+
+
+def different_splits_with_dp() -> Plan:
+    """(g) two pipelines with different layer splits, non-contiguous unordered tp ranks
+    and a dp 2 stage: p0 = tp 2 [5, 1] layers [0, 1) -> dp 2 [2, 3] layers [1, 4);
+    p1 = [4] layers [0, 3) -> tp 2 [6, 0] layer 3.  Layers 1-2 are held by 3 ranks, layer 3
+    by a dp pair and a tp pair; lbs 10 / 6, mbs 2 / 3."""
+    return make(7, [PipelinePlan(2, 10, [stage([5, 1], 2, 1, (0, 1)), stage([2, 3], 1, 2, (1, 4))]),
+                    PipelinePlan(3, 6, [stage([4], 1, 1, (0, 3)), stage([6, 0], 2, 1, (3, 4))])])

@@ -35,7 +35,20 @@ def forward_loss(spec, p, tokens):
     return token_loss.view(b, s).mean(1).mean()
 
 
-def train_reference(spec, gbs, iters, seed=1234, lr=1e-3, weight_decay=0.01, clip=1.0):
+def reference_lr(it, lr, min_lr, warmup, iters):
+    """Megatron's schedule, written out here independently of TrainConfig.lr_at: linear
+    warm-up to ``lr`` over ``warmup`` steps, then half a cosine period down to ``min_lr``
+    at step ``iters`` (constant ``lr`` when ``min_lr`` is None)."""
+    if it < warmup:
+        return lr * (it + 1) / warmup
+    if min_lr is None:
+        return lr
+    done = min((it - warmup) / max(iters - warmup, 1), 1.0)
+    return min_lr + (lr - min_lr) * (math.cos(math.pi * done) + 1) / 2
+
+
+def train_reference(spec, gbs, iters, seed=1234, lr=1e-3, weight_decay=0.01, clip=1.0,
+                    min_lr=None, warmup=0):
     """Returns (losses, full parameters) after ``iters`` AdamW steps on whole global batches."""
     specs = all_specs(spec)
     p = {sp.name: full_parameter(spec, sp, seed).requires_grad_(True) for sp in specs}
@@ -44,6 +57,8 @@ def train_reference(spec, gbs, iters, seed=1234, lr=1e-3, weight_decay=0.01, cli
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
     data, losses = SyntheticData(spec.vocab, spec.seq_len, seed), []
     for it in range(iters):
+        for group in opt.param_groups:
+            group["lr"] = reference_lr(it, lr, min_lr, warmup, iters)
         opt.zero_grad(set_to_none=True)
         loss = forward_loss(spec, p, batch(data, it, 0, gbs))
         loss.backward()

@@ -215,47 +215,6 @@ def test_lr_schedule():
     assert TrainConfig(plan="p.json", train_iters=5, lr=0.3).lr_at(4) == 0.3
 
 
-def _grad_sync_buckets(plan):
-    """{rank: [(holder ranks, parameter names)]} of every rank's GradSync (fake tp groups)."""
-    import torch
-
-    from megatron.hpp.compat import Backend, setup_rng
-    from megatron.hpp.grad_sync import GradSync
-    from megatron.hpp.model import GPTStage
-    from megatron.hpp.profiler import _fake_tp_group, _initialised_default_group
-
-    layout = topology.check_plan(plan, plan.world_size)
-    out = {}
-    with _initialised_default_group():
-        for rank in range(plan.world_size):
-            slot, stage = layout.slots[rank], layout.stage_of(rank)
-            last = slot.stage == len(plan.pipelines[slot.pipeline].stages) - 1
-            tracker = setup_rng(Backend("gloo", torch.device("cpu")), 1, 1, 0)
-            model = GPTStage(plan.model, stage.layers, slot.stage == 0, last,
-                             _fake_tp_group(stage.tp), tracker)
-            keys = topology.block_keys(*stage.layers, slot.stage == 0, last)
-            topo = topology.Topology(layout, rank, None, {k: object() for k in keys})
-            out[rank] = [(ranks, [s.name for _, s in entries])
-                         for ranks, _, entries in GradSync(model, topo).buckets]
-    return out
-
-
-def test_grad_sync_skips_blocks_held_by_one_tp_group():
-    from eth.plan import PipelinePlan
-
-    # a single pipeline of dp 1 stages (tp 2 and tp 1): nothing to all-reduce anywhere
-    single = plans.make(3, [PipelinePlan(4, 16, [plans.stage([0, 1], 2, 1, (0, 2)),
-                                                 plans.stage([2], 1, 1, (2, 4))])])
-    assert _grad_sync_buckets(single) == {0: [], 1: [], 2: []}
-    # replicas still reduce: the dp 2 stage of plan (b), both pipelines of plan (d)
-    tp_dp = _grad_sync_buckets(plans.tp_stage_next_to_dp_stage())
-    assert tp_dp[0] == [] and tp_dp[1] == [] and tp_dp[2] == []
-    assert [ranks for ranks, _ in tp_dp[3]] == [(3, 4)] and tp_dp[4] == [((3, 4), tp_dp[3][0][1])]
-    assert "head.out.weight" in tp_dp[3][0][1]
-    two = _grad_sync_buckets(plans.same_layers_different_tp())
-    assert all([ranks for ranks, _ in two[r]] == [(0, 1, 2)] for r in range(3))
-
-
 def test_rng_seeds_differ_per_stage_not_per_tp_or_dp_replica():
     from megatron.hpp.topology import rng_seeds
 
