@@ -1,7 +1,11 @@
+import pytest
+
 from eth.cost import CostModel
+from eth.model import ModelSpec
 from eth.planner.balance import balance, initial_state, split_layers
 from eth.planner.enumerate import assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluator, PipeState, StageState
+from eth.profiles import OP_FIELDS, PROFILE_VERSION, SHAPE_FIELDS, DeviceProfile, ProfileDB
 
 from _planner_data import M6, make_cluster, profiles_for
 
@@ -20,17 +24,76 @@ def _setup(mem_a=3, mem_r=2):
     return c, ev
 
 
+# A hand-made profile: per layer op, (forward ms, saved activation bytes); inputs are
+# 0 bytes so every recomputed op frees exactly its activations.  Ratio bytes/ms:
+HAND_OPS = {
+    "1st-layernorm": (1.0, 100),       # 100
+    "qkv": (4.0, 800),                 # 200
+    "score": (2.0, 800),               # 400
+    "softmax": (1.0, 600),             # 600
+    "attn-dropout": (0.5, 300),        # 600, after softmax in layer order
+    "context": (2.0, 200),             # 100
+    "attn-dense": (4.0, 0),            # saves nothing: never recomputed
+    "post-attn-dropout": (0.25, 50),   # 200
+    "2nd-layernorm": (1.0, 900),       # 900
+    "mlp-gemm-1": (8.0, 800),          # 100
+    "gelu": (1.0, 1600),               # 1600
+    "mlp-gemm-2": (8.0, 1600),         # 200
+    "post-mlp-dropout": (0.5, 25),     # 50
+}
+# by bytes per ms, high first; equal ratios in layer order
+HAND_ORDER = ["gelu", "2nd-layernorm", "softmax", "attn-dropout", "score", "qkv",
+              "post-attn-dropout", "mlp-gemm-2", "1st-layernorm", "context", "mlp-gemm-1",
+              "post-mlp-dropout"]
+HAND_MODEL = ModelSpec("hand", num_layers=2, hidden=8, heads=2, ffn=32, seq_len=4, vocab=16)
+
+
+def _hand_evaluator(memory_gb):
+    ops = {op: [ms, 2 * ms, 0.0, act, 0.0, 0.0] for op, (ms, act) in HAND_OPS.items()}
+    for op in ("embedding", "final-layernorm", "head+loss"):
+        ops[op] = [1.0, 2.0, 64.0, 0.0, 0.0, 0.0]
+    profile = {"version": PROFILE_VERSION, "device": "cpu", "source": "test", "provenance": {},
+               "op_fields": list(OP_FIELDS),
+               "models": [{"name": "hand", "shape": {f: getattr(HAND_MODEL, f) for f in SHAPE_FIELDS},
+                           "entries": [{"mbs": 1, "tp": 1, "reserved_bytes": 1000.0, "ops": ops}]}]}
+    cluster = make_cluster([{"type": "cpu", "devices_per_node": 1}],
+                           device_types={"cpu": {"memory_gb": memory_gb}})
+    return Evaluator(CostModel(HAND_MODEL, cluster, ProfileDB({"cpu": DeviceProfile(profile)})))
+
+
+def test_recompute_order_is_bytes_per_ms_of_the_profile():
+    assert _hand_evaluator(1.0).recompute_order("cpu", 1, 1) == HAND_ORDER
+
+
+@pytest.mark.parametrize("need, chosen", [
+    (1000, {"gelu": 1}),                                     # 1600 per layer
+    (2000, {"gelu": 2}),                                     # 3200 in both layers
+    (4000, {"gelu": 2, "2nd-layernorm": 1}),                 # + 900
+    (4500, {"gelu": 2, "2nd-layernorm": 2}),                 # + 1800
+    (5200, {"gelu": 2, "2nd-layernorm": 2, "softmax": 1}),   # + 600
+])
+def test_recompute_takes_ops_in_that_order_until_the_stage_fits(need, chosen):
+    """A 2-layer stage whose memory is ``need`` bytes short: whole ops in the hand order,
+    the last one in as few layers as fit."""
+    probe = _hand_evaluator(1.0).cost.stage_cost("cpu", 1, 1, (0, 2), 1)
+    assert probe.act_bytes == 2 * sum(act for _, act in HAND_OPS.values())
+    capacity = probe.memory_bytes - need
+    ev = _hand_evaluator(capacity / 1e9)
+    cost, rec, over = ev.fit_stage(StageState("cpu", 1, 1, 2), (0, 2), 1, 0, 1, 1, None, None)
+    assert over == 0 and cost.fits
+    assert dict(rec) == chosen
+
+
 def test_recompute_is_minimal_and_fits():
     c, ev = _setup(mem_r=4)
     st = StageState("RTX3090", 2, 2, 3)
     cost, rec, over = ev.fit_stage(st, (0, 3), 4, 0, 2, 8, None, None)
     assert over == 0 and cost.fits and rec
     rec = dict(rec)
-    assert list(rec) != []
     order = ev.recompute_order("RTX3090", 4, 2)
-    assert set(rec) == set(order[:len(rec)])  # best saved-bytes-per-ms ops first
-    last = ev.recompute_order("RTX3090", 4, 2)[len(rec) - 1]
-    assert rec[last] >= 1
+    last = order[len(rec) - 1]
+    assert set(rec) == set(order[:len(rec)]) and rec[last] >= 1
+    assert all(rec[op] == 3 for op in order[:len(rec) - 1])   # whole ops before the last
     fewer = dict(rec, **{last: rec[last] - 1})
     assert not ev.cost.stage_cost("RTX3090", 2, 1, (0, 3), 4, fewer, 0, 2, 8).fits
 
