@@ -20,7 +20,8 @@ from eth.planner.search import search
 from _planner_data import A2R2, M4, M6, make_cluster, profiles_for
 
 A4R4 = [{"type": "A100", "devices_per_node": 4}, {"type": "RTX3090", "devices_per_node": 4}]
-SMALL_MEM = {"A100": {"memory_gb": 3}, "RTX3090": {"memory_gb": 2}}
+# 18 bytes of model state per parameter (bf16 weights, fp32 gradients, fp32 Adam)
+SMALL_MEM = {"A100": {"memory_gb": 3 * 18 / 16}, "RTX3090": {"memory_gb": 2 * 18 / 16}}
 CASES = {
     "2A+2R gbs16": (M4, A2R2, {}, 16),
     "2A+2R gbs12": (M4, A2R2, {}, 12),

@@ -23,7 +23,9 @@ CASES = {
     "2A+2R gbs12": (M4, A2R2, {}, 12),
     "4A": (M4, [{"type": "A100", "devices_per_node": 4}], {}, 16),
     "3A+2R": (M4, [{"type": "A100", "devices_per_node": 3}, {"type": "RTX3090", "devices_per_node": 2}], {}, 8),
-    "small memory (tp + recompute)": (M6, A2R2, {"A100": {"memory_gb": 3}, "RTX3090": {"memory_gb": 2}}, 16),
+    # memory for 18 bytes of model state per parameter (bf16, fp32 gradients, fp32 Adam)
+    "small memory (tp + recompute)": (M6, A2R2, {"A100": {"memory_gb": 3 * 18 / 16},
+                                                 "RTX3090": {"memory_gb": 2 * 18 / 16}}, 16),
     "one device per node, uneven Lbs": (
         ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=1024, vocab=1024),
         [{"type": "A100", "devices_per_node": 1, "count": 2}, {"type": "RTX3090", "devices_per_node": 1}],

@@ -54,7 +54,8 @@ def test_three_devices_per_node_plans_keep_tp_groups_in_a_node(model, gbs):
     # small memory pushes the search towards tp > 1
     cluster = make_cluster([{"type": "A100", "devices_per_node": 3, "count": 2},
                             {"type": "RTX3090", "devices_per_node": 3}],
-                           device_types={"A100": {"memory_gb": 2}, "RTX3090": {"memory_gb": 2}})
+                           device_types={"A100": {"memory_gb": 2 * 18 / 16},   # 18 B/param
+                                         "RTX3090": {"memory_gb": 2 * 18 / 16}})
     plans = _plans(model, cluster, gbs)
     for plan in plans:
         _check(cluster, plan)
