@@ -25,3 +25,19 @@ def int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise SpecError(f"expected positive integers, got {text!r}")
     return values
+
+
+def check_output_file(path, flag: str = "-o") -> None:
+    """Fail early (SpecError) when ``path`` cannot become a file: it is a directory, or
+    its nearest existing parent is not a writable directory.  Called before long work."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise SpecError(f"{flag} {path} is a directory; give a file name (e.g. {path / 'plan.json'})")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise SpecError(f"{flag} {path} cannot be written ({parent} is not a writable directory)")

@@ -6,7 +6,8 @@ recomputed operators with the number of layers each is recomputed in (``4 AS`` =
 attention softmax in 4 layers), and the cost model's predicted forward/backward time
 per micro-batch and memory per device when the plan carries them.
 :func:`format_sim_summary` prints where each stage's time goes in a
-:class:`eth.simulate.SimResult`.  Both return strings; the CLIs print them.
+:class:`eth.simulate.SimResult`; :func:`format_legend` explains every heading and
+abbreviation of both (``show_plan.py --legend``).  All return strings; the CLIs print them.
 """
 from __future__ import annotations
 
@@ -21,6 +22,58 @@ OP_ABBREV = MappingProxyType({
     "post-attn-dropout": "PAD", "2nd-layernorm": "LN2", "mlp-gemm-1": "FC1",
     "gelu": "Act", "mlp-gemm-2": "FC2", "post-mlp-dropout": "PMD",
 })
+
+
+OP_NAMES = MappingProxyType({
+    "1st-layernorm": "layernorm before attention", "qkv": "fused query/key/value projection",
+    "score": "attention scores Q.K^T", "softmax": "attention softmax",
+    "attn-dropout": "attention-probability dropout", "context": "attention-weighted values",
+    "attn-dense": "attention output projection", "post-attn-dropout": "dropout after attention",
+    "2nd-layernorm": "layernorm before the MLP", "mlp-gemm-1": "first MLP GEMM (h -> ffn)",
+    "gelu": "MLP activation", "mlp-gemm-2": "second MLP GEMM (ffn -> h)",
+    "post-mlp-dropout": "dropout after the MLP",
+})
+
+_PLAN_TERMS = (
+    ("Pipe-i", "pipeline i: an independent pipeline, a data-parallel replica of the whole model"),
+    ("Mbs", "micro-batch size of the pipeline (samples per micro-batch)"),
+    ("Lbs", "local batch size: the pipeline's share of the global batch (gbs = sum of Lbs)"),
+    ("micro-batches", "Lbs / Mbs, the 1F1B micro-batches the pipeline runs per iteration"),
+    ("Eq.5", "the pipeline's predicted iteration time (paper Eq. 5: 1F1B + gradient All-Reduce)"),
+    ("Stage", "stage index inside the pipeline (0 holds the embedding, the last one the loss)"),
+    ("Ranks", "global ranks of the stage (torchrun RANK; node-major, as the cluster YAML lists nodes)"),
+    ("Dev.", "device type x number of devices of the stage"),
+    ("TP/DP", "tensor-parallel degree / data-parallel degree inside the stage (TP x DP = devices)"),
+    ("#L", "number of transformer layers of the stage"),
+    ("Layers", "first-last layer index (inclusive)"),
+    ("Recomp. Operator", "ops recomputed in the backward pass: 'n OP' = OP is recomputed\n"
+                         "in the stage's first n layers; None = nothing recomputed"),
+    ("Fwd ms / Bwd ms", "cost-model forward / backward time of one micro-batch on the stage"),
+    ("Mem GB", "cost-model peak memory per device; '!' = above the device's capacity"),
+)
+
+_SIM_TERMS = (
+    ("1F1B end", "time at which the stage finishes its last backward pass"),
+    ("Compute", "forward + backward (+ recompute) time of the stage"),
+    ("Bubble", "idle time before the stage's last backward (pipeline fill and drain)"),
+    ("AllReduce", "block-wise gradient All-Reduce time of the stage"),
+    ("Optimizer", "optimizer-step time"),
+    ("Idle", "iteration - compute - all-reduce - optimizer"),
+    ("Busy %", "(compute + all-reduce + optimizer) / iteration"),
+)
+
+
+def format_legend() -> str:
+    """What every heading and abbreviation of the plan table and the simulation means."""
+    lines = ["Plan table (tools/search_hpp.py, tools/show_plan.py):"]
+    lines += [f"  {k:<17} " + v.replace("\n", "\n" + " " * 20) for k, v in _PLAN_TERMS]
+    lines.append("Recomputed operators (one transformer layer has 13 ops):")
+    lines += [f"  {OP_ABBREV[op]:<5} {op:<18} {OP_NAMES[op]}" for op in LAYER_OPS]
+    lines.append("Simulated iteration (tools/show_plan.py; times in ms):")
+    lines += [f"  {k:<17} {v}" for k, v in _SIM_TERMS]
+    lines.append("Short forms elsewhere: tp, dp, pp = tensor-, data-, pipeline-parallel degree; "
+                 "mbs, lbs, gbs = micro-, local, global batch size.")
+    return "\n".join(lines)
 
 
 def format_ranks(ranks) -> str:

@@ -1,83 +1,12 @@
-"""Show a plan as a Table-3-style text view, simulate it, optionally draw a Gantt chart.
-
-    python tools/show_plan.py plan.json
-    python tools/show_plan.py plan.json --png out.png
-    python tools/show_plan.py plan.json --profiles profiles/ --optimizer-passes 3
-
-The plan's stored predictions (fwd/bwd ms, memory GB) are printed as they are; when
-the plan has none they are filled in from the cost model (marked as such).  The
-simulated iteration comes from eth/simulate.py (event-driven 1F1B, block-wise
-All-Reduce, optimizer step); see docs/SIMULATOR.md.  Exit code 2 on bad input.
-"""
-from __future__ import annotations
-
-import argparse
+#!/usr/bin/env python
+"""Show a plan, simulate it, draw a Gantt chart (the body is eth/cli_show.py; installed as
+``hpp-show``).  ``--legend`` explains the abbreviations."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eth.cli import run_main  # noqa: E402
-from eth.cost import CostModel  # noqa: E402
-from eth.errors import SpecError  # noqa: E402
-from eth.plan import load_plan  # noqa: E402
-from eth.profiles import ProfileDB  # noqa: E402
-from eth.report import format_plan_table, format_sim_summary, stage_label  # noqa: E402
-from eth.simulate import SimOptions, simulate  # noqa: E402
-
-DEFAULT_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("plan", help="plan JSON written by tools/search_hpp.py")
-    ap.add_argument("--png", metavar="OUT", help="write a Gantt chart of the simulated iteration")
-    ap.add_argument("--profiles", default=None,
-                    help=f"profile file or folder (default: {DEFAULT_PROFILES} if present; "
-                         "analytic entries fill what is missing)")
-    ap.add_argument("--optimizer-passes", type=float, default=SimOptions.optimizer_passes,
-                    help="memory passes of the optimizer step over bytes_per_param x params")
-    args = ap.parse_args(argv)
-    if args.optimizer_passes < 0:
-        raise SpecError(f"--optimizer-passes must be >= 0, got {args.optimizer_passes}")
-
-    plan = load_plan(args.plan)
-    if args.profiles:
-        profiles = ProfileDB.load(args.profiles)
-    elif DEFAULT_PROFILES.is_dir() and any(DEFAULT_PROFILES.glob("*.json")):
-        profiles = ProfileDB.load(DEFAULT_PROFILES)
-    else:
-        profiles = ProfileDB()
-    analytic = profiles.ensure(plan.model, plan.cluster.types.values())
-    cost_model = CostModel(plan.model, plan.cluster, profiles)
-
-    filled = not any(s.predicted for p in plan.pipelines for s in p.stages)
-    if filled:
-        cost_model.annotate(plan)  # in memory only; the file is not rewritten
-    print(format_plan_table(plan))
-    if filled:
-        print("  (no predictions stored in the plan: fwd/bwd/memory computed now by the cost model)")
-    if analytic:
-        print(f"  (analytic roofline profiles generated for: {', '.join(analytic)})")
-    print()
-    result = simulate(plan, cost_model, options=SimOptions(optimizer_passes=args.optimizer_passes))
-    print(format_sim_summary(plan, result))
-
-    if args.png:
-        from eth.gantt import plot_gantt
-        labels = {(s.pipeline, s.stage): stage_label(plan, s.pipeline, s.stage)
-                  for row in result.stages for s in row}
-        title = (f"{plan.model.name} on {plan.cluster.name}, gbs {plan.gbs}: "
-                 f"simulated iteration {result.iteration_ms:.2f} ms")
-        if "iteration_ms" in plan.predicted:
-            title += f" (Eq. 5: {plan.predicted['iteration_ms']:.2f} ms)"
-        try:
-            out = plot_gantt(result, args.png, labels, title)
-        except OSError as exc:
-            raise SpecError(f"cannot write {args.png}: {exc}") from None
-        print(f"\nGantt chart written to {out}")
-    return 0
-
+from eth.cli_show import DEFAULT_PROFILES, main  # noqa: E402,F401
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

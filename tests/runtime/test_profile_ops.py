@@ -257,8 +257,13 @@ def test_device_type_warning_on_cpu(tmp_path, capsys):
     cpu = torch.device("cpu")
     assert device_type_warning("cpu", cpu) is None and device_type_warning("cpu-fast", cpu) is None
     assert "filed as A100" in device_type_warning("A100", cpu)
-    if not torch.cuda.is_available():  # warn, do not fail
-        assert run(["--model", "tiny", "--device-type", "A100", "--mbs", "1", "--tp", "1",
-                    "-o", str(tmp_path / "a.json"), *FAST]) == 0
+    if not torch.cuda.is_available():  # refused (nothing written) unless --force: then a warning
+        argv = ["--model", "tiny", "--device-type", "A100", "--mbs", "1", "--tp", "1",
+                "-o", str(tmp_path / "a.json"), *FAST]
+        assert run(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "filed as A100" in err and "--force" in err
+        assert not (tmp_path / "a.json").exists()
+        assert run(argv + ["--force"]) == 0
         assert "warning: no CUDA device" in capsys.readouterr().err
         assert load_profile(tmp_path / "a.json").device == "A100"

@@ -1,0 +1,89 @@
+"""Offline HPP planner: cluster + model + profiles -> plan.json (``hpp-search``).
+
+    hpp-search --model gpt3-13b --cluster examples/clusters/b2b4-64.yaml \
+        --profiles profiles/ --gbs 1024 --seq 2048 -o plan.json
+    python tools/search_hpp.py ...        # the same, from a checkout
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eth.planner.options import STRATEGIES
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--model", required=True, help="model preset name (eth.model.PRESETS)")
+    p.add_argument("--cluster", required=True, help="cluster YAML file")
+    p.add_argument("--profiles", help="profile JSON file or folder; device types without a profile "
+                                      "for the model get analytic profiles in memory")
+    p.add_argument("--gbs", type=int, required=True, help="global batch size")
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    p.add_argument("--strategy", default="hpp", choices=STRATEGIES,
+                   help="hpp, or a baseline in the same cost model (Megatron uniform, Metis-style, "
+                        "HexiScale-style, TypeSplit-HPP)")
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds, 0 = none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=1.5, help="approximate-bound tolerance factor")
+    p.add_argument("--no-cache", action="store_true", help="disable the pipeline configuration cache")
+    p.add_argument("--no-skip", action="store_true", help="disable early skipping")
+    p.add_argument("--no-order", action="store_true", help="disable variance ordering (Eq. 9)")
+    p.add_argument("--no-dp", action="store_true", help="disable dynamic programming (Eq. 10)")
+    p.add_argument("--no-seeds", action="store_true",
+                   help="do not also evaluate the metis/hexiscale/uniform planners' plans")
+    p.add_argument("--allow-overshoot", action="store_true",
+                   help="accept sum(lbs) > gbs when no exact split exists")
+    p.add_argument("--max-blocks-per-type", type=int, default=8)
+    p.add_argument("--max-stages", type=int, default=16)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    from eth.cli import check_output_file
+    from eth.cluster import load_cluster
+    from eth.model import get_model
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.profiles import ProfileDB
+    from eth.report import format_plan_table, format_search_line
+
+    if args.output:  # before the search, so that a long search's result is not lost
+        check_output_file(args.output)
+    model = get_model(args.model, seq_len=args.seq)
+    cluster = load_cluster(args.cluster)
+    db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
+    added = db.ensure(model, cluster.types.values())
+    options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
+                            skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
+                            seeds=not args.no_seeds,
+                            alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
+                            max_blocks_per_type=args.max_blocks_per_type,
+                            max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
+                            progress=not args.no_progress)
+    plan = search(model, cluster, db, options)
+    # where each device type's op costs came from (the plan hash does not cover profiles)
+    plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
+                               else db.get(t).source for t in sorted(cluster.types)}
+    if added:  # said after the search so that an error stays a single line
+        plan.search["analytic_profiles"] = added
+        print(f"note: analytic profiles (roofline estimates) for {model.name} on "
+              f"{', '.join(added)}", file=sys.stderr)
+    print(format_plan_table(plan))
+    print(format_search_line(plan))
+    print("(headings and abbreviations: tools/show_plan.py --legend, or hpp-show --legend)")
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """The CLI; bad input or an infeasible problem: ``error: ...`` on stderr, exit 2."""
+    from eth.cli import run_main
+    return run_main(_main, argv)
