@@ -219,15 +219,46 @@ def test_baseline_valid_restricted_and_near_brute_force(strategy, name):
     assert got <= ref * (1 + TOLERANCE[strategy]), (strategy, got, ref)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+M2 = ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=1024, vocab=1024)
+SLOWER = {
+    # name: (model, nodes, device types, gbs, baselines without a plan, measured numbers)
+    "1 A100 of 3 GB, gbs 16": (
+        M4, [{"type": "A100", "devices_per_node": 1}], {"A100": {"memory_gb": 3}}, 16, (),
+        "unseeded HPP 26.25 ms (mbs 4), uniform/metis/hexiscale 25.58 ms (+2.6%): mbs 8 with the "
+        "attention core (score, softmax, attn-dropout, context) recomputed; at mbs 8 HPP's per-op "
+        "recompute order (bytes per ms, runs not considered) recomputes 7 ops (26.39 ms)"),
+    "1 V100 of 4 GB + 2 910B4 of 2 GB, gbs 8": (
+        M4, [{"type": "V100", "devices_per_node": 1}, {"type": "910B4", "devices_per_node": 2}],
+        {"V100": {"memory_gb": 4}, "910B4": {"memory_gb": 2}}, 8, (),
+        "unseeded HPP 12.22 ms (mbs 2, no recompute), metis 11.96 ms (+2.2%): mbs 4 with the "
+        "attention core recomputed on the 910B4 stage, as above"),
+    "3 A100, 2 layers, gbs 8": (
+        M2, [{"type": "A100", "devices_per_node": 3}], {}, 8, ("uniform", "metis", "hexiscale"),
+        "unseeded HPP 7.02 ms, typesplit 6.82 ms (+2.9%): typesplit's plan (a 2-stage pipeline at "
+        "mbs 1, Lbs 5 next to a 1-stage one, Lbs 3) lies in HPP's space; HPP keeps mbs 2 (Lbs 6 + 2)"),
+}
+"""Small cases (from the seeded suite of test_search_core.py) on which the HPP search
+without seeds is slower than a baseline, with the numbers measured."""
+
+
+@pytest.mark.parametrize("name", [*CASES, *(pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=v[-1]))
+                                            for n, v in SLOWER.items())])
 def test_hpp_never_slower_than_a_baseline(name):
-    model, cluster, db, gbs = setup(name)
-    hpp = search(model, cluster, db, SearchOptions(gbs=gbs)).predicted["iteration_ms"]
+    """The HPP search alone (seeds off: with them it returns the baselines' own plans when
+    those are faster, so this would hold by construction)."""
+    if name in CASES:
+        model, cluster, db, gbs = setup(name)
+        infeasible = {s for s, n in INFEASIBLE if n == name}
+    else:
+        model, nodes, types, gbs, infeasible, _ = SLOWER[name]
+        cluster = make_cluster(nodes, device_types=types, inter_node_gbps=400)
+        db = profiles_for(model, cluster)
+    hpp = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False)).predicted["iteration_ms"]
     for strategy in BASELINES:
-        if (strategy, name) in INFEASIBLE:
+        if strategy in infeasible:
             continue
         base = plan_baseline(strategy, model, cluster, db, gbs).predicted["iteration_ms"]
-        assert hpp <= base * 1.02, (strategy, hpp, base)
+        assert hpp <= base * (1 + 1e-9), (strategy, hpp, base)
 
 
 def test_uniform_uses_recompute_when_memory_is_short():
