@@ -86,7 +86,7 @@ class TrainConfig:
     def setup_for(self, plan):
         """The plan's TrainSetup; a flag that contradicts it is a SpecError."""
         wanted = plan.training
-        for name, flag in (("precision", "--bf16/--fp16"), ("zero_stage", "--zero-stage"),
+        for name, flag in (("precision", "--bf16/--fp16/--fp32"), ("zero_stage", "--zero-stage"),
                            ("grad_reduce", "--grad-reduce-in-bf16")):
             given = getattr(self, name)
             if given is not None and given != getattr(wanted, name):

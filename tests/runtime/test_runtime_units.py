@@ -112,14 +112,19 @@ def test_weights_do_not_depend_on_tp():
 def test_bad_input_fails_on_every_rank(tmp_path):
     plans.tp_stage_next_to_dp_stage().save(tmp_path / "five.json")
     plans.too_large_gbs_sum().save(tmp_path / "sum.json")
-    cases = [(2, tmp_path / "five.json", "plan needs 5 ranks, WORLD_SIZE is 2"),
-             (2, tmp_path / "sum.json", "sum of pipeline lbs is 16 but gbs is 12"),
-             (2, tmp_path / "missing.json", "does not exist"),
-             (3, tmp_path / "three.json", "a sample needs 33")]
+    short = ["--data-path", str(tmp_path / "short.txt")]
+    cases = [(2, tmp_path / "five.json", "plan needs 5 ranks, WORLD_SIZE is 2", []),
+             (2, tmp_path / "sum.json", "sum of pipeline lbs is 16 but gbs is 12", []),
+             (2, tmp_path / "missing.json", "does not exist", []),
+             (3, tmp_path / "three.json", "a sample needs 33", short),
+             # plan.training is fp32 / ZeRO 0 (a plan without the field)
+             (3, tmp_path / "three.json", "--bf16/--fp16/--fp32 asks for precision 'bf16' but the plan was "
+                                          "made for 'fp32'", ["--bf16"]),
+             (3, tmp_path / "three.json", "--zero-stage asks for zero_stage 2 but the plan was made "
+                                          "for 0", ["--zero-stage", "2"])]
     plans.two_pipelines_different_depth().save(tmp_path / "three.json")
     (tmp_path / "short.txt").write_bytes(b"x" * 32)  # tiny's seq_len 32 needs 33 bytes
-    for nproc, path, message in cases:
-        extra = ["--data-path", str(tmp_path / "short.txt")] if "sample" in message else []
+    for nproc, path, message, extra in cases:
         results = launch(nproc, ["--hpp-plan", str(path), "--train-iters", "2", *extra], timeout=60)
         for r in results:
             assert r.returncode == 2, (r.rank, r.returncode, r.stderr)
