@@ -6,6 +6,7 @@ Modules (import them directly; this package imports nothing eagerly):
   model      op-decomposed GPT stage on megatron.core.tensor_parallel layers
   data       uneven local-batch slicing of each global batch
   schedule   per-pipeline 1F1B with stage-boundary resharding
-  grad_sync  gradient synchronisation across pipelines, AdamW, global-norm clipping
+  grad_sync  gradient buffers on eth.blocks' layout, reduced during backward; global norm
+  optimizer  ZeRO-sharded AdamW on fp32 main weights, weight write-back, fp16 loss scale
   training   the train loop used by pretrain_gpt.py
 """

@@ -237,6 +237,15 @@ class Trainer:
         return StepResult(float(summed[0]), grad_norm, stats[1:].tolist(), time.perf_counter() - t0,
                           skipped, scale)
 
+    def setup_line(self) -> str:
+        """One line on what is trained how (rank 0 prints it before the first step)."""
+        s, g = self.setup, self.grad_layout
+        groups = sum(1 for b in g.buffers if len(b.ranks) > 1)
+        return (f"training {self.plan.model.name} with {len(self.plan.pipelines)} pipeline(s) on "
+                f"{self.plan.world_size} ranks ({self.backend.name}) | {s.precision} weights, {s.grad_reduce} "
+                f"gradients, ZeRO {s.zero_stage} | {g.strategy}-wise gradient sync: {groups} "
+                f"collective buffer(s) in {len(g.groups())} group(s)")
+
     def log_line(self, iteration: int, r: StepResult) -> str:
         per_pipe = ", ".join(f"p{i} {t * 1e3:.1f}" for i, t in enumerate(r.compute_s))
         extra = f" | loss scale {r.loss_scale:g}" if self.scaler is not None else ""
@@ -252,6 +261,8 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
     from megatron.hpp.grad_sync import gather_parameters
 
     trainer, losses = Trainer(cfg, layout, rank), []
+    if rank == 0:
+        print(trainer.setup_line(), flush=True)
     for it in range(cfg.train_iters):
         result = trainer.step(it)
         losses.append(result.loss)
