@@ -1,0 +1,49 @@
+"""examples/slurm: node.sh started once per "node" (two on this machine, as srun would on
+two hosts) trains the CPU demo plan over a static torchrun rendezvous; the launch
+helper's host/rank arithmetic and its one-line errors."""
+import os
+import subprocess
+import sys
+
+from _rt_spawn import REPO, free_port
+from megatron.hpp.launch import main as launch_main
+
+PLAN = "examples/plans/cpu-demo.json"
+
+
+def test_node_sh_trains_a_plan_over_two_nodes(tmp_path):
+    env = dict(os.environ, PLAN=PLAN, HPP_HOSTS="nodeA,nodeB", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen(["bash", str(REPO / "examples" / "slurm" / "node.sh"), "--train-iters", "2"],
+                              env=dict(env, HPP_HOST=host), cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for host in ("nodeB", "nodeA")]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    log = outs[1][0]  # node 0 holds rank 0, which logs
+    assert "iteration 2/2 | loss" in log and "p1" in log
+
+
+def test_sbatch_script_parses():
+    proc = subprocess.run(["bash", "-n", str(REPO / "examples" / "slurm" / "hpp.sbatch")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_launch_helper(capsys):
+    assert launch_main(["order", "--plan", str(REPO / PLAN), "--hosts", "a,b"]) == 0
+    assert capsys.readouterr().out == ("a: node 0, cpu-fast x 2, ranks 0-1\n"
+                                       "b: node 1, cpu-slow x 2, ranks 2-3\n")
+    assert launch_main(["node", "--plan", str(REPO / PLAN), "--hosts", "a.cluster,b.cluster",
+                        "--host", "b"]) == 0
+    assert capsys.readouterr().out == "NNODES=2 NODE_RANK=1 NPROC_PER_NODE=2 WORLD_SIZE=4\n"
+    assert launch_main(["node", "--plan", str(REPO / PLAN), "--hosts", "a,b", "--host", "c"]) == 2
+    assert capsys.readouterr().err == "error: host c is not in --hosts a,b\n"
+    assert launch_main(["order", "--plan", str(REPO / PLAN), "--hosts", "a,b,c"]) == 2
+    assert capsys.readouterr().err.startswith("error: --hosts names 3 hosts, the plan's cluster has 2 nodes")
+    assert launch_main(["order", "--plan", str(REPO / PLAN), "--hosts", "a,a"]) == 2
+    assert "names a host twice" in capsys.readouterr().err
