@@ -40,6 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-blocks-per-type", type=int, default=8)
     p.add_argument("--max-stages", type=int, default=16)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = p.add_argument_group("training setup (memory and Eq. 6; recorded in the plan, used by the runtime)")
+    t.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="weights and activations (the optimizer keeps fp32 main weights)")
+    t.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
+                   help="1: optimizer state sharded over each gradient block's holders; 2: also gradients")
+    t.add_argument("--grad-reduce", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype gradients are accumulated and reduced in")
     return p.parse_args(argv)
 
 
@@ -50,6 +57,7 @@ def _main(argv=None) -> int:
     from eth.model import get_model
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
+    from eth.precision import TrainSetup
     from eth.profiles import ProfileDB
     from eth.report import format_plan_table, format_search_line
 
@@ -65,7 +73,8 @@ def _main(argv=None) -> int:
                             alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
                             max_blocks_per_type=args.max_blocks_per_type,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress,
+                            setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
     plan = search(model, cluster, db, options)
     # where each device type's op costs came from (the plan hash does not cover profiles)
     plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added

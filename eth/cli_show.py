@@ -56,7 +56,7 @@ def _main(argv=None) -> int:
     else:
         profiles = ProfileDB()
     analytic = profiles.ensure(plan.model, plan.cluster.types.values())
-    cost_model = CostModel(plan.model, plan.cluster, profiles)
+    cost_model = CostModel(plan.model, plan.cluster, profiles, plan.training)
 
     filled = not any(s.predicted for p in plan.pipelines for s in p.stages)
     if filled:

@@ -174,7 +174,8 @@ def format_search_line(plan) -> str:
     if it:
         lines.append(f"{plan.model.name}  gbs={plan.gbs}  devices={plan.world_size}  "
                      f"pipelines={len(plan.pipelines)}  predicted iteration {it:.1f} ms "
-                     f"({plan.gbs / it * 1e3:.1f} samples/s)")
+                     f"({plan.gbs / it * 1e3:.1f} samples/s)  [{plan.training.precision}, "
+                     f"{plan.training.grad_reduce} gradients, ZeRO {plan.training.zero_stage}]")
     if search:
         c = search.get("candidates", {})
         counted = c.get("counted_pipelines")
