@@ -391,17 +391,19 @@ def _publish(staging: Path, final: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _shared_cache_needs_build(root: Path, final: Path, rank: int) -> bool:
-    """Collective: every rank sees rank 0's cache directory (else the same SpecError on
-    every rank), and whether the index still has to be built (the same answer everywhere)."""
+def _shared_cache_plan(root: Path, key: str, rank: int) -> tuple[str, bool]:
+    """Collective: rank 0's cache key (so that copies of the data with other modification
+    times on other nodes still share one index), whether every rank sees rank 0's cache
+    folder (else the same SpecError on every rank), and whether the index still has to
+    be built (the same answer everywhere)."""
     import time
 
     import torch
     import torch.distributed as dist
 
-    token = [f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
+    token = [f"{os.getpid()}-{time.time_ns()}", key] if rank == 0 else [None, None]
     dist.broadcast_object_list(token, src=0)
-    probe = root / f".probe-{token[0]}"
+    key, final, probe = token[1], root / token[1], root / f".probe-{token[0]}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         probe.touch()
@@ -414,7 +416,7 @@ def _shared_cache_needs_build(root: Path, final: Path, rank: int) -> bool:
     if int(flags[0]):
         raise SpecError(f"data index cache {root} is not one folder that every rank sees: "
                         f"--data-cache-path must be on a file system all nodes share")
-    return bool(flags[1])
+    return key, bool(flags[1])
 
 
 def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int = 0,
@@ -436,11 +438,12 @@ def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int 
     check_data(cfg)
     sizes = [train_iters * gbs, valid_iters * gbs, 0]
     root = Path(cfg.cache_root)
-    key = cache_key(cfg, sizes)
-    final, total = root / key, _num_indices(cfg)
+    key, total = cache_key(cfg, sizes), _num_indices(cfg)
     if dist.is_initialized():
         rank = dist.get_rank()
-        if _shared_cache_needs_build(root, final, rank):
+        key, needed = _shared_cache_plan(root, key, rank)
+        final = root / key
+        if needed:
             staging = root / f"{key}.partial"
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -453,6 +456,7 @@ def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int 
                 _publish(staging, final)
             dist.barrier()
     else:
+        final = root / key
         with _file_lock(root / f"{key}.lock"):
             if not final.is_dir():
                 staging = root / f"{key}.partial{os.getpid()}"
