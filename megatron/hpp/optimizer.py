@@ -67,7 +67,8 @@ class ShardedAdamW:
         self.model, self.topo, self.reducer, self.setup = model, topo, reducer, setup
         device = reducer.device
         self.mains, decay, no_decay = [], [], []
-        self._views: list[tuple[int, int, int, torch.Tensor]] = []   # (bucket, start, end, view)
+        # (bucket, first element, end element, flat main-weight view) of every AdamW param
+        self.views: list[tuple[int, int, int, torch.Tensor]] = []
         for i, b in enumerate(reducer.buckets):
             lo, hi = (0, b.buf.numel) if setup.zero_stage == 0 else b.step_range
             main = _initial_main(b.buf, lo, hi, topo.plan.model, seed, device)
@@ -75,7 +76,7 @@ class ShardedAdamW:
             for start, end, wd in _decay_runs(b.buf, lo, hi):
                 view = main[start - lo:end - lo]
                 (decay if wd else no_decay).append(view)
-                self._views.append((i, start, end, view))
+                self.views.append((i, start, end, view))
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
@@ -108,15 +109,15 @@ class ShardedAdamW:
             if grad_scale != 1.0:
                 grad.mul_(grad_scale)
             grads.append((start, grad))
-        for i, s, e, view in self._views:
+        for i, s, e, view in self.views:
             start, grad = grads[i]
             view.grad = grad[s - start:e - start]
         self.optimizer.step()
-        for _, _, _, view in self._views:
+        for _, _, _, view in self.views:
             view.grad = None
-        self._write_back()
+        self.write_back()
 
-    def _write_back(self) -> None:
+    def write_back(self) -> None:
         dtype = next(self.model.parameters()).dtype
         pending = []
         for b, (lo, main) in zip(self.reducer.buckets, self.mains):

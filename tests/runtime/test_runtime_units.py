@@ -136,17 +136,14 @@ def test_bad_input_fails_on_every_rank(tmp_path):
 
 @pytest.fixture(scope="module")
 def world_of_one():
-    """A one-rank gloo group in this process (for stage-level checks)."""
-    import os
-
+    """A one-rank gloo group in this process (for stage-level checks; an in-memory
+    store, so no port is involved)."""
     import torch.distributed as dist
-    from _rt_spawn import free_port
 
     from megatron.hpp.compat import quiet_megatron_warnings
 
     quiet_megatron_warnings()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.new_group([0])
     dist.destroy_process_group()
 
