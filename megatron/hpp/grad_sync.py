@@ -69,8 +69,9 @@ class Bucket:
 
     @property
     def step_range(self) -> tuple[int, int]:
-        """[lo, hi) of buffer elements this rank steps and counts (ZeRO shard; the whole
-        buffer's shard for the norm under ZeRO 0 is :meth:`norm_range`)."""
+        """[lo, hi): this rank's shard of the buffer (``Buffer.shard``).  It steps it with
+        ZeRO 1/2, and counts it in the global norm and writes it in checkpoints with any
+        ZeRO stage (the shards partition the buffer)."""
         return self.buf.shard(self.buf.ranks[self.index])
 
 
