@@ -1,27 +1,47 @@
 """Train a GPT with an HPP plan (Megatron-style entry point).
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --hpp-plan examples/plans/cpu-demo.json \
-        --train-iters 20
+        --train-iters 20 --data-path megatron/hpp/corpus/english
 
-Uses NCCL + CUDA when available, else gloo + CPU (see docs/RUNTIME.md).
+Uses NCCL + CUDA when available, else gloo + CPU (see docs/RUNTIME.md).  A one-rank plan
+also runs without torchrun (``python pretrain_gpt.py ...``).  Exit codes: 0 done,
+1 stopped (NaN/Inf loss, a rank died or timed out), 2 bad input.
 """
 import argparse
 import sys
 
 
 def parse_args(argv=None):
+    from megatron.hpp.datasets import DEFAULT_SPLIT
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hpp-plan", required=True, help="plan JSON (tools/search_hpp.py output)")
     p.add_argument("--train-iters", type=int, required=True)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="cosine decay floor (default: constant lr)")
     p.add_argument("--warmup", type=int, default=0, help="linear warm-up iterations")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip, 0 = off")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-interval", type=int, default=1)
-    p.add_argument("--data-path", default=None, help="byte-level text file (default: synthetic data)")
+    p.add_argument("--log-interval", type=int, default=1,
+                   help="rank 0 logs averages over this many iterations")
+    p.add_argument("--tensorboard-dir", default=None,
+                   help="also write the logged numbers here (needs the tensorboard package)")
     p.add_argument("--save-params", default=None, help="rank 0 writes full parameters + losses here")
+    d = p.add_argument_group("data (default: synthetic sequences; docs/DATA.md)")
+    d.add_argument("--data-path", nargs="+", default=None, metavar="PREFIX",
+                   help="megatron-core indexed datasets (.bin/.idx prefixes from tools/preprocess_data.py): "
+                        "PREFIX [PREFIX ...] or W PREFIX W PREFIX ...; the shipped English corpus is "
+                        "megatron/hpp/corpus/english")
+    d.add_argument("--split", default=DEFAULT_SPLIT, help="train,valid,test shares of each dataset's documents")
+    d.add_argument("--data-cache-path", default=None,
+                   help="index cache folder, shared by all nodes (default ~/.cache/hpp-eth/datasets)")
+    f = p.add_argument_group("failures")
+    f.add_argument("--max-nan-iters", type=int, default=3,
+                   help="stop (exit 1) after this many consecutive iterations with a NaN/Inf loss or "
+                        "gradient norm")
+    f.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of collectives and p2p transfers: a dead or stuck rank ends every rank")
     g = p.add_argument_group("gradient path (default: what the plan was made for, plan.training)")
     g.add_argument("--grad-sync", default="block", choices=("block", "device", "tensor"),
                    help="block-wise All-Reduce (paper 4.3), or device-wise (padded) / tensor-wise "
@@ -54,7 +74,11 @@ def main(argv=None) -> int:
         cfg = TrainConfig(plan=args.hpp_plan, train_iters=args.train_iters, lr=args.lr,
                           min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
                           clip_grad=args.clip_grad, seed=args.seed, log_interval=args.log_interval,
-                          data_path=args.data_path, save_params=args.save_params,
+                          data_path=args.data_path, split=args.split,
+                          data_cache_path=args.data_cache_path, save_params=args.save_params,
+                          max_nan_iters=args.max_nan_iters,
+                          distributed_timeout_minutes=args.distributed_timeout_minutes,
+                          tensorboard_dir=args.tensorboard_dir,
                           grad_sync=args.grad_sync, bucket_numel=args.ddp_bucket_size,
                           precision=args.precision, zero_stage=args.zero_stage,
                           grad_reduce=args.grad_reduce, initial_loss_scale=args.initial_loss_scale)

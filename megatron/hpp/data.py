@@ -8,14 +8,13 @@ samples it needs.  Slicing (plan conventions):
     micro-batch m       mbs consecutive samples of the pipeline's slice
     stage dp rank d     mbs/dp consecutive samples of the micro-batch
 
-Sources: :class:`SyntheticData` (arithmetic token sequences mod vocab, so the loss
-visibly falls) and :class:`ByteTextData` (byte-level windows of a text file,
-vocab >= 256).
+Sources (anything with ``sample(iteration, index)``): :class:`SyntheticData`
+(arithmetic token sequences mod vocab, so the loss visibly falls) and
+``datasets.GPTSource`` (megatron-core indexed datasets, ``--data-path``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -40,28 +39,6 @@ class SyntheticData:
         start = int(torch.randint(self.vocab, (1,), generator=gen))
         step = int(torch.randint(1, 8, (1,), generator=gen))
         return (start + step * torch.arange(self.seq_len + 1)) % self.vocab
-
-
-class ByteTextData:
-    """Random windows of seq_len + 1 bytes of a text file (tokens = byte values)."""
-
-    def __init__(self, path, vocab: int, seq_len: int, seed: int):
-        path = Path(path)
-        if vocab < 256:
-            raise SpecError(f"--data-path needs a byte vocabulary: model vocab {vocab} < 256")
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise SpecError(f"data file {path} does not exist") from None
-        if len(raw) < seq_len + 1:
-            raise SpecError(f"data file {path} has {len(raw)} bytes, a sample needs {seq_len + 1}")
-        self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-        self.seq_len, self.seed = seq_len, seed
-
-    def sample(self, iteration: int, index: int) -> torch.Tensor:
-        gen = _generator(self.seed, iteration, index)
-        start = int(torch.randint(len(self.data) - self.seq_len, (1,), generator=gen))
-        return self.data[start:start + self.seq_len + 1]
 
 
 def batch(source, iteration: int, start: int, end: int) -> torch.Tensor:

@@ -2,18 +2,25 @@
 
 Order of work on every rank (all ranks read the same plan, so all fail alike):
 
-1. load the plan and check it against WORLD_SIZE and the runtime's needs
-   (sum(lbs) == gbs; a --data-path file that exists and holds one sample) -- pure
-   Python, before any process group exists, so bad input ends every rank with one
-   line on stderr and exit code 2 instead of a hang; rank 0 warns (one line) when
-   LOCAL_WORLD_SIZE puts a tp group across nodes;
-2. init the default group (nccl+cuda or gloo+cpu), build the topology (all groups);
+1. check the flags (``TrainConfig``), load the plan and check it against WORLD_SIZE
+   and the runtime's needs (sum(lbs) == gbs; with --data-path every dataset prefix,
+   its token type and split: ``datasets.check_data``) -- pure Python, before any
+   process group exists, so bad input ends every rank with one line on stderr and
+   exit code 2 instead of a hang; rank 0 warns (one line) when LOCAL_WORLD_SIZE puts
+   a tp group across nodes;
+2. init the default group (nccl+cuda or gloo+cpu, timeout --distributed-timeout-minutes;
+   a one-rank run without torchrun gets an in-process store, no port), build the
+   topology (all groups);
 3. build this rank's stage (in the plan's precision), the gradient reducer on the
    chosen layout (``eth.blocks``: block, device or tensor) and the ZeRO-sharded AdamW;
+   the data source (synthetic, or the indexed datasets of --data-path: rank 0 builds
+   megatron-core's index cache first, with a progress bar);
 4. per iteration: 1F1B over the pipeline's micro-batches (loss scaled by 1/gbs, and
    by the loss scale in fp16), buffers reduced as layers finish their last backward,
-   global-norm clipping, AdamW on the main-weight shards, weight write-back (all-gather
-   with ZeRO 1/2); rank 0 logs loss, iteration time and each pipeline's compute time.
+   global-norm clipping, AdamW on the main-weight shards (skipped when the gradient
+   norm is not finite), weight write-back (all-gather with ZeRO 1/2); the
+   ``metrics.MetricsLogger`` prints interval averages on rank 0 and the
+   ``failures.NanGuard`` stops a run that keeps producing NaN/Inf (exit 1).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 
 from eth.errors import SpecError
 from eth.plan import load_plan
+from megatron.hpp.datasets import DEFAULT_SPLIT, check_data, parse_split
 
 
 @dataclass(frozen=True)
@@ -46,9 +54,21 @@ class TrainConfig:
     seed: int = 1234
     """Seed of weights, data and dropout."""
     log_interval: int = 1
-    """Log every this many iterations on rank 0."""
-    data_path: str | None = None
-    """Byte-level text file; None: synthetic data."""
+    """Log every this many iterations on rank 0 (averages over the interval)."""
+    data_path: tuple | None = None
+    """Megatron's ``--data-path`` tokens: indexed-dataset prefixes (PREFIX ... or
+    W PREFIX W PREFIX ..., ``megatron/hpp/datasets.py``); None: synthetic data."""
+    split: str = DEFAULT_SPLIT
+    """Train/valid/test shares of every prefix's documents (``--split``)."""
+    data_cache_path: str | None = None
+    """Index cache folder (``--data-cache-path``); None: ``datasets.default_cache_path()``."""
+    max_nan_iters: int = 3
+    """Stop (exit 1) after this many consecutive iterations with a NaN/Inf loss or
+    gradient norm (fp16 overflows the loss scaler skips do not count)."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every collective and p2p transfer (Megatron's name and default)."""
+    tensorboard_dir: str | None = None
+    """Also write the logged numbers as TensorBoard scalars here (if tensorboard is installed)."""
     save_params: str | None = None
     """Write full parameters and losses here at the end (rank 0, atomic)."""
     grad_sync: str = "block"
@@ -69,8 +89,24 @@ class TrainConfig:
     def __post_init__(self):
         if self.train_iters <= 0:
             raise SpecError(f"--train-iters must be positive, got {self.train_iters}")
-        if self.lr <= 0:
-            raise SpecError(f"--lr must be positive, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise SpecError(f"--lr must be a finite positive number, got {self.lr}")
+        if self.min_lr is not None and not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise SpecError(f"--min-lr must be between 0 and --lr {self.lr:g}, got {self.min_lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise SpecError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not math.isfinite(self.clip_grad):
+            raise SpecError(f"--clip-grad must be finite, got {self.clip_grad}")
+        if self.max_nan_iters < 1:
+            raise SpecError(f"--max-nan-iters must be >= 1, got {self.max_nan_iters}")
+        if not (math.isfinite(self.distributed_timeout_minutes) and self.distributed_timeout_minutes > 0):
+            raise SpecError(f"--distributed-timeout-minutes must be a finite positive number, got "
+                            f"{self.distributed_timeout_minutes}")
+        if isinstance(self.data_path, str):
+            object.__setattr__(self, "data_path", (self.data_path,))
+        elif self.data_path is not None:
+            object.__setattr__(self, "data_path", tuple(str(t) for t in self.data_path))
+        parse_split(self.split)
         if self.warmup < 0 or self.log_interval <= 0 or self.clip_grad < 0:
             raise SpecError(f"--warmup {self.warmup}, --log-interval {self.log_interval}, "
                             f"--clip-grad {self.clip_grad}: need warmup >= 0, interval > 0, clip >= 0")
@@ -95,6 +131,15 @@ class TrainConfig:
                                 f"re-plan with tools/search_hpp.py or drop the flag")
         return wanted
 
+    def data_config(self, plan):
+        """The plan's ``datasets.DataConfig`` (None: synthetic data); checks the flags only."""
+        if self.data_path is None:
+            return None
+        from megatron.hpp.datasets import DataConfig
+
+        return DataConfig(self.data_path, plan.model.seq_len, plan.model.vocab, self.seed, self.split,
+                          self.data_cache_path)
+
     def lr_at(self, iteration: int) -> float:
         """Learning rate of 0-based ``iteration``: linear warm-up, then cosine to min_lr."""
         if iteration < self.warmup:
@@ -116,24 +161,38 @@ def _env_int(name: str, default: int) -> int:
 
 def prepare(cfg: TrainConfig):
     """Step 1 (pure Python: no torch import, no process group): returns (plan, layout, rank)."""
-    from megatron.hpp.topology import check_plan
-
     from eth.blocks import GradLayout
+    from megatron.hpp.topology import check_plan
 
     plan = load_plan(cfg.plan)
     world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    if "WORLD_SIZE" not in os.environ and plan.world_size != 1:
+        raise SpecError(f"plan needs {plan.world_size} ranks, WORLD_SIZE is not set (one process): "
+                        f"launch it with torchrun --nproc-per-node {plan.world_size} pretrain_gpt.py ...")
     layout = check_plan(plan, world)
+    if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise SpecError(f"WORLD_SIZE {world} needs MASTER_ADDR and MASTER_PORT (torchrun sets them)")
     cfg.setup_for(plan)
     GradLayout(plan, cfg.grad_sync, cfg.bucket_numel)   # e.g. tp degrees block-wise cannot align
-    if cfg.data_path is not None:
-        if plan.model.vocab < 256:
-            raise SpecError(f"--data-path needs a byte vocabulary: model vocab {plan.model.vocab} < 256")
-        if not os.path.isfile(cfg.data_path):
-            raise SpecError(f"data file {cfg.data_path} does not exist")
-        size, need = os.path.getsize(cfg.data_path), plan.model.seq_len + 1
-        if size < need:
-            raise SpecError(f"data file {cfg.data_path} has {size} bytes, a sample needs {need}")
+    data = cfg.data_config(plan)
+    if data is not None:
+        check_data(data)   # a directory, a plain text file, missing/short files, token width
     return plan, layout, rank
+
+
+def init_default_group(backend_name: str, rank: int, world: int, timeout_minutes: float) -> None:
+    """The default process group with the run's timeout.  A one-rank run without
+    MASTER_ADDR/MASTER_PORT (``python pretrain_gpt.py`` without torchrun) gets an
+    in-process store: no port is opened, so none can be busy."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(minutes=timeout_minutes)
+    if world == 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend_name, rank=rank, world_size=world, timeout=timeout)
 
 
 @dataclass
@@ -145,9 +204,16 @@ class StepResult:
     compute_s: list
     """Per pipeline: compute seconds of its slowest rank (emulation included)."""
     elapsed_s: float
+    """Wall time of the step on this rank."""
     skipped: bool = False
     """fp16: the step found inf/nan gradients and was skipped (the loss scale backs off)."""
     loss_scale: float = 1.0
+    nonfinite: bool = False
+    """The loss, or (without a loss scaler) the gradient norm, is NaN/Inf: the weights were
+    not updated and ``failures.NanGuard`` counts it."""
+    peak_mem_bytes: list = None
+    """Per pipeline: the largest peak memory of its ranks since start (CUDA max allocated,
+    CPU max RSS)."""
 
 
 class Trainer:
@@ -162,7 +228,8 @@ class Trainer:
         import torch.distributed as dist
 
         from eth.blocks import GradLayout
-        from megatron.hpp.data import ByteTextData, SyntheticData
+        from megatron.hpp.data import SyntheticData
+        from megatron.hpp.metrics import peak_memory_bytes
         from megatron.hpp.grad_sync import GradReducer
         from megatron.hpp.model import GPTStage
         from megatron.hpp.optimizer import COMPUTE_DTYPES, ShardedAdamW, make_grad_scaler
@@ -174,7 +241,7 @@ class Trainer:
         self.grad_layout = GradLayout(self.plan, cfg.grad_sync, cfg.bucket_numel)
         self.backend = backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
         if not dist.is_initialized():
-            dist.init_process_group(backend.name, rank=rank, world_size=layout.world_size)
+            init_default_group(backend.name, rank, layout.world_size, cfg.distributed_timeout_minutes)
         self.topo = topo = build_topology(layout, rank, compat.device_name(backend),
                                           self.grad_layout.groups())
         stage = topo.stage
@@ -188,8 +255,14 @@ class Trainer:
         self.optimizer = ShardedAdamW(self.model, topo, self.reducer, setup, cfg.lr, cfg.weight_decay,
                                       cfg.seed)
         self.scaler = make_grad_scaler(setup.precision, cfg.initial_loss_scale)
-        self.source = (ByteTextData(cfg.data_path, spec.vocab, spec.seq_len, cfg.seed) if cfg.data_path
-                       else SyntheticData(spec.vocab, spec.seq_len, cfg.seed))
+        data = cfg.data_config(self.plan)
+        if data is not None:   # collective: rank 0 builds the index cache, the others wait
+            from megatron.hpp.datasets import build_sources
+
+            self.source = build_sources(data, self.plan.gbs, cfg.train_iters, progress=rank == 0).train
+        else:
+            self.source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed)
+        self.peak_memory = lambda: peak_memory_bytes(backend.device)
         self.comm = StageComm(topo, (spec.seq_len, spec.hidden), dtype, backend.device)
         self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
         self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
@@ -221,21 +294,25 @@ class Trainer:
                            scale / self.plan.gbs, clock, self.reducer.final_backward)
         self.reducer.finish()
         grad_norm = global_grad_norm(self.reducer, backend.device) / scale
-        skipped = not math.isfinite(grad_norm) and self.scaler is not None
+        finite = math.isfinite(grad_norm)
+        skipped = not finite and self.scaler is not None
         if self.scaler is not None:
             self.scaler.update(skipped)
-        if not skipped:
+        if finite:   # a NaN/Inf gradient never reaches the weights (fp16: the scaler's skip)
             self.optimizer.step(clip_coefficient(grad_norm, self.cfg.clip_grad) / scale)
         compat.synchronize(backend)
-        stats = torch.zeros(1 + num_pipes, dtype=torch.float64, device=backend.device)
+        stats = torch.zeros(1 + 2 * num_pipes, dtype=torch.float64, device=backend.device)
         if topo.tp_rank == 0:
             stats[0] = loss.item() / scale
         stats[1 + topo.pipeline] = clock.total_seconds()
+        stats[1 + num_pipes + topo.pipeline] = self.peak_memory()[0]
         summed = stats.clone()
         dist.all_reduce(summed)                      # loss: sum over last-stage replicas
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute: slowest rank of each pipeline
-        return StepResult(float(summed[0]), grad_norm, stats[1:].tolist(), time.perf_counter() - t0,
-                          skipped, scale)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute, memory: largest rank of each pipeline
+        loss_value = float(summed[0])
+        nonfinite = not math.isfinite(loss_value) or (not finite and self.scaler is None)
+        return StepResult(loss_value, grad_norm, stats[1:1 + num_pipes].tolist(), time.perf_counter() - t0,
+                          skipped, scale, nonfinite, stats[1 + num_pipes:].tolist())
 
     def setup_line(self) -> str:
         """One line on what is trained how (rank 0 prints it before the first step)."""
@@ -244,32 +321,53 @@ class Trainer:
         return (f"training {self.plan.model.name} with {len(self.plan.pipelines)} pipeline(s) on "
                 f"{self.plan.world_size} ranks ({self.backend.name}) | {s.precision} weights, {s.grad_reduce} "
                 f"gradients, ZeRO {s.zero_stage} | {g.strategy}-wise gradient sync: {groups} "
-                f"collective buffer(s) in {len(g.groups())} group(s)")
+                f"collective buffer(s) in {len(g.groups())} group(s) | data: {self.data_line()}")
 
-    def log_line(self, iteration: int, r: StepResult) -> str:
-        per_pipe = ", ".join(f"p{i} {t * 1e3:.1f}" for i, t in enumerate(r.compute_s))
-        extra = f" | loss scale {r.loss_scale:g}" if self.scaler is not None else ""
-        extra += " | skipped (inf/nan gradients)" if r.skipped else ""
-        return (f"iteration {iteration + 1}/{self.cfg.train_iters} | loss {r.loss:.6f} | grad norm "
-                f"{r.grad_norm:.4f} | lr {self.cfg.lr_at(iteration):.3g} | time "
-                f"{r.elapsed_s * 1e3:.1f} ms | compute ms {per_pipe}"
-                + (" (emulated)" if self.emulated else "") + extra)
+    def data_line(self) -> str:
+        if self.cfg.data_path is None:
+            return "synthetic sequences (no --data-path)"
+        return (f"{' '.join(self.cfg.data_path)} (split {self.cfg.split}, {len(self.source)} training "
+                f"samples of {self.plan.model.seq_len + 1} tokens)")
+
+    def metrics_logger(self, rank: int):
+        """The run's :class:`~megatron.hpp.metrics.MetricsLogger` (prints on rank 0 only)."""
+        from megatron.hpp.metrics import MetricsLogger, tensorboard_writer
+
+        cfg, enabled = self.cfg, rank == 0
+        writer = tensorboard_writer(cfg.tensorboard_dir, note=lambda line: print(line, file=sys.stderr,
+                                                                                 flush=True)) if enabled else None
+        return MetricsLogger(self.plan, cfg.train_iters, cfg.log_interval, cfg.lr_at, enabled=enabled,
+                             emulated=self.emulated, loss_scale=self.scaler is not None,
+                             memory_kind=self.peak_memory()[1], writer=writer)
 
 
 def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
-    """Steps 2-4; returns the per-iteration losses (on every rank)."""
+    """Steps 2-4; returns the per-iteration losses (on every rank).  Raises
+    ``failures.TrainingStopped`` (NaN/Inf) and ``failures.CommFailure`` (a rank died or
+    is stuck)."""
+    from megatron.hpp.failures import NanGuard, TrainingStopped, during
     from megatron.hpp.grad_sync import gather_parameters
 
-    trainer, losses = Trainer(cfg, layout, rank), []
+    timeout = cfg.distributed_timeout_minutes
+    with during("start-up", timeout):
+        trainer = Trainer(cfg, layout, rank)
+    logger, guard, losses = trainer.metrics_logger(rank), NanGuard(cfg.max_nan_iters), []
     if rank == 0:
         print(trainer.setup_line(), flush=True)
-    for it in range(cfg.train_iters):
-        result = trainer.step(it)
-        losses.append(result.loss)
-        if rank == 0 and ((it + 1) % cfg.log_interval == 0 or it + 1 == cfg.train_iters):
-            print(trainer.log_line(it, result), flush=True)
+    try:
+        for it in range(cfg.train_iters):
+            with during(f"iteration {it + 1}", timeout):
+                result = trainer.step(it)
+            losses.append(result.loss)
+            stop = guard.update(it, result)
+            logger.record(it, result, flush=stop is not None)
+            if stop:
+                raise TrainingStopped(stop)
+    finally:
+        logger.close()
     if cfg.save_params:
-        params = gather_parameters(trainer.model, trainer.topo)
+        with during("--save-params", timeout):
+            params = gather_parameters(trainer.model, trainer.topo)
         if rank == 0:
             _save(cfg.save_params, {"params": params, "losses": losses,
                                     "plan_hash": layout.plan.content_hash()})
@@ -284,12 +382,20 @@ def _save(path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _error(line: str) -> None:
+    print(f"error: {line}", file=sys.stderr, flush=True)
+
+
 def run(cfg: TrainConfig) -> int:
-    """Check, train, tear down; returns the process exit code."""
+    """Check, train, tear down; returns the process exit code (failures.py: 0 done,
+    1 stopped, 2 bad input).  After a communication failure the process ends here
+    (``os._exit(1)``): tearing down a group whose collective failed can abort or hang."""
+    from megatron.hpp.failures import CommFailure, TrainingStopped
+
     try:
         _, layout, rank = prepare(cfg)
     except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _error(str(exc))
         return 2
     if rank == 0:
         from megatron.hpp.topology import tp_node_warning
@@ -298,14 +404,23 @@ def run(cfg: TrainConfig) -> int:
         note = tp_node_warning(layout, int(local) if local and local.isdigit() else None)
         if note:
             print(note, file=sys.stderr, flush=True)
+    code = 0
     try:
         train(cfg, layout, rank)
     except SpecError as exc:
-        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return 2
+        _error(f"rank {rank}: {exc}")
+        code = 2
+    except TrainingStopped as exc:
+        if rank == 0:   # every rank stops at the same iteration (the loss and norm are global)
+            _error(str(exc))
+        code = 1
+    except CommFailure as exc:
+        _error(f"rank {rank}: {exc}")
+        sys.stdout.flush()
+        os._exit(1)     # no teardown, no finally
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return code

@@ -1,6 +1,7 @@
 """Runtime pieces without real process groups: layout of a 1024-rank plan (symbolic and
 on torch's fake backend), data slicing, resharding overlaps, weight independence of
 the plan; plus bad-input launches that must fail on every rank with exit code 2."""
+import numpy
 import pytest
 
 import _rt_plans as plans
@@ -112,7 +113,7 @@ def test_weights_do_not_depend_on_tp():
 def test_bad_input_fails_on_every_rank(tmp_path):
     plans.tp_stage_next_to_dp_stage().save(tmp_path / "five.json")
     plans.too_large_gbs_sum().save(tmp_path / "sum.json")
-    short = ["--data-path", str(tmp_path / "short.txt")]
+    short = ["--data-path", str(tmp_path / "short"), "--split", "100,0,0"]
     cases = [(2, tmp_path / "five.json", "plan needs 5 ranks, WORLD_SIZE is 2", []),
              (2, tmp_path / "sum.json", "sum of pipeline lbs is 16 but gbs is 12", []),
              (2, tmp_path / "missing.json", "does not exist", []),
@@ -123,7 +124,11 @@ def test_bad_input_fails_on_every_rank(tmp_path):
              (3, tmp_path / "three.json", "--zero-stage asks for zero_stage 2 but the plan was made "
                                           "for 0", ["--zero-stage", "2"])]
     plans.two_pipelines_different_depth().save(tmp_path / "three.json")
-    (tmp_path / "short.txt").write_bytes(b"x" * 32)  # tiny's seq_len 32 needs 33 bytes
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "short.bin"), dtype=numpy.uint8)
+    builder.add_document(numpy.full(32, 120, dtype=numpy.uint8), [32])  # tiny's seq_len 32 needs 33 tokens
+    builder.finalize(str(tmp_path / "short.idx"))
     for nproc, path, message, extra in cases:
         results = launch(nproc, ["--hpp-plan", str(path), "--train-iters", "2", *extra], timeout=60)
         for r in results:
@@ -189,23 +194,6 @@ def test_recompute_replays_ops_with_same_dropout_masks(world_of_one):
         assert grad.equal(grads_b[name]), name
     _, grads_c = _stage_grads(world_of_one, replace(spec, dropout=0.0), {}, [])
     assert not grads_c["layers.0.qkv.weight"].equal(grads_a["layers.0.qkv.weight"])  # dropout acts
-
-
-def test_byte_text_data(tmp_path):
-    from eth.errors import SpecError
-    from megatron.hpp.data import ByteTextData
-
-    text = bytes(range(256)) * 3
-    (tmp_path / "t.txt").write_bytes(text)
-    data = ByteTextData(tmp_path / "t.txt", 256, 32, 1)
-    rows = batch(data, 0, 0, 4)
-    assert rows.shape == (4, 33)
-    for row in rows.tolist():  # a window of the file: consecutive byte values mod 256
-        assert all((b - a) % 256 == 1 for a, b in zip(row, row[1:]))
-    with pytest.raises(SpecError, match="model vocab 128 < 256"):
-        ByteTextData(tmp_path / "t.txt", 128, 32, 1)
-    with pytest.raises(SpecError, match="has 768 bytes, a sample needs 1025"):
-        ByteTextData(tmp_path / "t.txt", 256, 1024, 1)
 
 
 def test_lr_schedule():

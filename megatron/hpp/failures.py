@@ -1,0 +1,106 @@
+"""How a training run ends when something goes wrong (docs/RUNTIME.md, "Failures").
+
+Exit codes of ``pretrain_gpt.py`` (``training.run``):
+
+    0   trained every iteration
+    1   the run was stopped: :class:`TrainingStopped` (NaN/Inf loss or gradient norm in
+        ``--max-nan-iters`` consecutive iterations) or :class:`CommFailure` (a collective
+        or p2p transfer failed or timed out: a rank died, or is stuck for longer than
+        ``--distributed-timeout-minutes``)
+    2   bad input (a ``SpecError``: plan, flags, data), found before any process group
+
+*NaN/Inf.*  ``StepResult.nonfinite`` marks an iteration whose loss or gradient norm is
+not finite, other than an fp16 overflow that the dynamic loss scaler handles
+(``StepResult.skipped``: the gradients overflowed but the loss is finite).  Such an
+iteration never updates the weights (the trainer skips the optimizer step).  Every rank
+sees the same global loss and norm, so every rank's :class:`NanGuard` stops at the same
+iteration, without a collective; rank 0 prints the message.
+
+*Communication.*  ``--distributed-timeout-minutes`` (Megatron's name, default 10, a float)
+is the process group's timeout: a collective or p2p receive waiting longer raises.  A
+killed rank is usually noticed at once (its sockets close).  :func:`during` turns such
+an error into :class:`CommFailure` naming the phase (start-up, iteration N); every rank
+that sees one prints one line and exits 1 without tearing down the process group
+(destroying a group after a failed collective can abort or hang).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+
+# Text of errors raised by gloo / NCCL / the store when a peer is gone or late.
+_COMM_MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection reset", "connection closed",
+                 "connection refused", "broken pipe", "socket", "processgroup", "store")
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot usefully continue (NaN/Inf for too long); exit 1."""
+
+
+class CommFailure(RuntimeError):
+    """A collective or p2p transfer failed or timed out; exit 1 without teardown."""
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the communication layer (a peer died or is late)."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, dist.DistError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+
+
+def short_reason(exc: BaseException, limit: int = 240) -> str:
+    """One line of a backend error: first line, without the C++ source location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    text = text.split(" This is typically caused by")[0].rstrip(". ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def during(phase: str, timeout_minutes: float):
+    """Re-raise a communication error inside the block as :class:`CommFailure`."""
+    try:
+        yield
+    except (TrainingStopped, CommFailure):
+        raise
+    except Exception as exc:  # noqa: BLE001 -- only communication errors are converted
+        if not is_comm_error(exc):
+            raise
+        raise CommFailure(f"communication failed during {phase}: {short_reason(exc)} -- another rank "
+                          f"died or is stuck (--distributed-timeout-minutes {timeout_minutes:g}); "
+                          f"every rank stops") from exc
+
+
+class NanGuard:
+    """Counts consecutive iterations with a non-finite loss or gradient norm."""
+
+    def __init__(self, max_nan_iters: int):
+        if max_nan_iters < 1:
+            raise ValueError(f"max_nan_iters must be >= 1, got {max_nan_iters}")
+        self.max_nan_iters = max_nan_iters
+        self.streak: list[int] = []
+        """0-based iterations of the current run of bad ones."""
+
+    def update(self, iteration: int, result) -> str | None:
+        """Record ``iteration``; the stop message when the run must end, else None."""
+        if not result.nonfinite:
+            self.streak = []
+            return None
+        self.streak.append(iteration)
+        if len(self.streak) < self.max_nan_iters:
+            return None
+        what = ", ".join(f"{name} {value}" for name, value in (("loss", result.loss),
+                                                              ("grad norm", result.grad_norm))
+                         if not math.isfinite(value)) or "non-finite values"
+        first, last = self.streak[0] + 1, iteration + 1
+        span = f"iteration {first}" if first == last else f"iterations {first}-{last}"
+        return (f"training diverged: {what} in {len(self.streak)} consecutive iteration(s) "
+                f"({span}; --max-nan-iters {self.max_nan_iters}); the weights were not updated by "
+                f"them; lower --lr, raise --warmup or check the data")
