@@ -61,12 +61,14 @@ def test_every_command_exists_and_takes_its_flags(commands):
 def test_training_command_matches_its_plan(commands):
     from eth.cluster import load_cluster
 
-    (train,) = [c for c in commands if c[0] == "torchrun"]
-    plan = train[train.index("--hpp-plan") + 1]
-    nproc = int(train[train.index("--nproc-per-node") + 1])
-    (search,) = [c for c in commands if "search_hpp.py" in c[1] and c[c.index("-o") + 1] == plan]
-    cluster = load_cluster(ROOT / search[search.index("--cluster") + 1])
-    assert cluster.world_size == nproc
+    runs = [c for c in commands if c[0] == "torchrun"]
+    assert runs
+    for train in runs:
+        plan = train[train.index("--hpp-plan") + 1]
+        nproc = int(train[train.index("--nproc-per-node") + 1])
+        (search,) = [c for c in commands if "search_hpp.py" in c[1] and c[c.index("-o") + 1] == plan]
+        cluster = load_cluster(ROOT / search[search.index("--cluster") + 1])
+        assert cluster.world_size == nproc
     for cmd in commands:  # every file a command reads is shipped or written by an earlier one
         for flag in ("--cluster", "--profiles", "--input"):
             if flag in cmd:
