@@ -110,15 +110,15 @@ def expected_node_order(cluster) -> list[str]:
     return lines
 
 
-def local_host() -> RankHost:
-    """This process as torchrun started it (RANK, LOCAL_RANK, host name)."""
+def local_host(rank: int | None = None) -> RankHost:
+    """This process as torchrun started it (``rank`` or RANK, LOCAL_RANK, host name)."""
     def env(name: str) -> int:
         value = os.environ.get(name, "0")
         try:
             return int(value)
         except ValueError:
             raise SpecError(f"environment {name}={value!r} is not an integer") from None
-    return RankHost(env("RANK"), socket.gethostname(), env("LOCAL_RANK"))
+    return RankHost(env("RANK") if rank is None else rank, socket.gethostname(), env("LOCAL_RANK"))
 
 
 def gather_hosts(group=None) -> list[RankHost]:
@@ -126,7 +126,7 @@ def gather_hosts(group=None) -> list[RankHost]:
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, local_host(), group=group)
+    dist.all_gather_object(out, local_host(dist.get_rank()), group=group)
     return out
 
 
