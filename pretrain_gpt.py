@@ -28,6 +28,13 @@ def parse_args(argv=None):
     p.add_argument("--tensorboard-dir", default=None,
                    help="also write the logged numbers here (needs the tensorboard package)")
     p.add_argument("--save-params", default=None, help="rank 0 writes full parameters + losses here")
+    c = p.add_argument_group("checkpoints (any plan of the same model can resume them; docs/RUNTIME.md)")
+    c.add_argument("--save", default=None, metavar="DIR", help="write checkpoints here (and at the end)")
+    c.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    c.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from the latest complete checkpoint in DIR (none there: start fresh)")
+    c.add_argument("--exit-interval", type=int, default=None,
+                   help="stop after an iteration divisible by this (after saving)")
     d = p.add_argument_group("data (default: synthetic sequences; docs/DATA.md)")
     d.add_argument("--data-path", nargs="+", default=None, metavar="PREFIX",
                    help="megatron-core indexed datasets (.bin/.idx prefixes from tools/preprocess_data.py): "
@@ -76,6 +83,8 @@ def main(argv=None) -> int:
                           clip_grad=args.clip_grad, seed=args.seed, log_interval=args.log_interval,
                           data_path=args.data_path, split=args.split,
                           data_cache_path=args.data_cache_path, save_params=args.save_params,
+                          save=args.save, save_interval=args.save_interval, load=args.load,
+                          exit_interval=args.exit_interval,
                           max_nan_iters=args.max_nan_iters,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           tensorboard_dir=args.tensorboard_dir,

@@ -71,6 +71,16 @@ class TrainConfig:
     """Also write the logged numbers as TensorBoard scalars here (if tensorboard is installed)."""
     save_params: str | None = None
     """Write full parameters and losses here at the end (rank 0, atomic)."""
+    save: str | None = None
+    """Checkpoint folder to write (``megatron.hpp.checkpoint``): every ``save_interval``
+    iterations and at the end."""
+    save_interval: int | None = None
+    """Iterations between checkpoints (None: only at the end)."""
+    load: str | None = None
+    """Checkpoint folder to resume from (its latest complete checkpoint; none there:
+    start from scratch).  Any plan of the same model shape can resume it."""
+    exit_interval: int | None = None
+    """Stop after an iteration divisible by this (after saving), as Megatron's flag."""
     grad_sync: str = "block"
     """Gradient synchronisation: block (paper 4.3), device (padded) or tensor (per tensor)."""
     bucket_numel: int = 40_000_000
@@ -118,6 +128,12 @@ class TrainConfig:
             raise SpecError(f"--initial-loss-scale must be a finite number >= 1, got {self.initial_loss_scale}")
         if self.bucket_numel < 0:
             raise SpecError(f"--ddp-bucket-size must be >= 0, got {self.bucket_numel}")
+        for name in ("save_interval", "exit_interval"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SpecError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.save_interval is not None and self.save is None:
+            raise SpecError(f"--save-interval {self.save_interval} needs --save DIR")
 
     def setup_for(self, plan):
         """The plan's TrainSetup; a flag that contradicts it is a SpecError."""
@@ -160,7 +176,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 def prepare(cfg: TrainConfig):
-    """Step 1 (pure Python: no torch import, no process group): returns (plan, layout, rank)."""
+    """Step 1 (no process group; torch is imported only to read a --load checkpoint's
+    metadata): returns (plan, layout, rank)."""
     from eth.blocks import GradLayout
     from megatron.hpp.topology import check_plan
 
@@ -177,6 +194,15 @@ def prepare(cfg: TrainConfig):
     data = cfg.data_config(plan)
     if data is not None:
         check_data(data)   # a directory, a plain text file, missing/short files, token width
+    if cfg.load is not None:
+        from megatron.hpp.checkpoint import check_loadable
+
+        common = check_loadable(cfg.load, plan.model)   # another model shape: SpecError
+        if common is not None and common["iteration"] >= cfg.train_iters:
+            raise SpecError(f"--load {cfg.load} is at iteration {common['iteration']}, "
+                            f"--train-iters is {cfg.train_iters}: nothing to train")
+    if cfg.save is not None and os.path.exists(cfg.save) and not os.path.isdir(cfg.save):
+        raise SpecError(f"--save {cfg.save} is a file, not a folder")
     return plan, layout, rank
 
 
@@ -242,6 +268,9 @@ class Trainer:
         self.backend = backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
         if not dist.is_initialized():
             init_default_group(backend.name, rank, layout.world_size, cfg.distributed_timeout_minutes)
+        from megatron.hpp.launch import check_launch
+
+        check_launch(self.plan.cluster)   # hosts in the cluster's node-major order, or SpecError
         self.topo = topo = build_topology(layout, rank, compat.device_name(backend),
                                           self.grad_layout.groups())
         stage = topo.stage
@@ -345,17 +374,33 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
     """Steps 2-4; returns the per-iteration losses (on every rank).  Raises
     ``failures.TrainingStopped`` (NaN/Inf) and ``failures.CommFailure`` (a rank died or
     is stuck)."""
+    from megatron.hpp import checkpoint
     from megatron.hpp.failures import NanGuard, TrainingStopped, during
     from megatron.hpp.grad_sync import gather_parameters
 
     timeout = cfg.distributed_timeout_minutes
     with during("start-up", timeout):
         trainer = Trainer(cfg, layout, rank)
+    start = saved = 0
+    if cfg.load is not None and checkpoint.latest(cfg.load) is not None:
+        with during("checkpoint loading", timeout):
+            start = saved = checkpoint.load(cfg.load, trainer)["iteration"]
     logger, guard, losses = trainer.metrics_logger(rank), NanGuard(cfg.max_nan_iters), []
     if rank == 0:
         print(trainer.setup_line(), flush=True)
+        if cfg.load is not None:
+            print(f"resumed from {checkpoint.latest(cfg.load)} at iteration {start}" if start else
+                  f"no checkpoint in {cfg.load}: starting from iteration 0", flush=True)
+
+    def save(done: int) -> None:
+        with during("checkpoint saving", timeout):
+            path = checkpoint.save(cfg.save, trainer, done, done * layout.plan.gbs)
+        if rank == 0:
+            print(f"saved {path}", flush=True)
+
     try:
-        for it in range(cfg.train_iters):
+        done = start
+        for it in range(start, cfg.train_iters):
             with during(f"iteration {it + 1}", timeout):
                 result = trainer.step(it)
             losses.append(result.loss)
@@ -363,6 +408,14 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
             logger.record(it, result, flush=stop is not None)
             if stop:
                 raise TrainingStopped(stop)
+            done = it + 1
+            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0:
+                save(done)
+                saved = done
+            if cfg.exit_interval and done % cfg.exit_interval == 0:
+                break
+        if cfg.save and saved != done:
+            save(done)
     finally:
         logger.close()
     if cfg.save_params:
