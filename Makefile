@@ -17,11 +17,11 @@ $(VENV)/.installed: setup.py
 	$(BIN)/python -m pip install -q -e '.[runtime,test]'
 	touch $@
 
-# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster, then train it
-# with 4 CPU processes (gloo) following that plan, on the shipped English corpus.
+# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster (bf16, ZeRO 1),
+# then train it with 4 CPU processes (gloo) following that plan, on the shipped English corpus.
 run: install
 	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
-	    --gbs 16 -o $(OUT)/plan.json
+	    --gbs 16 --zero-stage 1 -o $(OUT)/plan.json
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 --master-port 29531 pretrain_gpt.py \
 	    --hpp-plan $(OUT)/plan.json --train-iters 20 --log-interval 1 \
 	    --data-path megatron/hpp/corpus/english
