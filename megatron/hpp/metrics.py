@@ -30,8 +30,9 @@ averages over the iterations since the previous line:
                         with a NaN or Inf loss or gradient norm (see failures.py)
     plan                the plan's predicted iteration time (``plan.predicted
                         ["iteration_ms"]``) beside the measured one; the first time the
-                        interval mean (without the run's first, warm-up iteration)
-                        differs from it by more than 20% rank 0 prints one warning line
+                        interval mean (without the run's first, warm-up iteration, also
+                        after a resume) differs from it by more than 20%, rank 0 prints
+                        one warning line on stderr
 
 TensorBoard (``--tensorboard-dir``): ``torch.utils.tensorboard.SummaryWriter`` when the
 ``tensorboard`` package is installed, one scalar per number above at the interval's
@@ -118,6 +119,8 @@ class MetricsLogger:
         self.flops_per_iteration = model_flops_per_sample(plan.model) * plan.gbs
         self.predicted_ms = plan.predicted.get("iteration_ms")
         self.warned_stale = False
+        self.first_iteration = None
+        """The run's first recorded iteration (0, or where a resumed run starts): warm-up."""
         self.window = _Window()
         self.lines: list[str] = []
         """Every line printed or warned (rank 0's log, for tests and tools)."""
@@ -127,6 +130,8 @@ class MetricsLogger:
         or when ``flush`` (e.g. the run is about to stop)."""
         if not self.enabled:
             return
+        if self.first_iteration is None:
+            self.first_iteration = iteration
         self.window.add(iteration, result)
         if flush or (iteration + 1) % self.log_interval == 0 or iteration + 1 == self.train_iters:
             self._emit()
@@ -152,7 +157,7 @@ class MetricsLogger:
         pipes = len(results[0].compute_s)
         compute = [_mean([r.compute_s[p] for r in results]) for p in range(pipes)]
         mem = [max(r.peak_mem_bytes[p] for r in results) for p in range(pipes)]
-        steady = [r.elapsed_s for i, r in zip(iterations, results) if i > 0]
+        steady = [r.elapsed_s for i, r in zip(iterations, results) if i != self.first_iteration]
         return {
             "iteration": last + 1, "consumed_samples": (last + 1) * plan.gbs,
             "loss": _mean([r.loss for r in updated]), "grad_norm": _mean([r.grad_norm for r in updated]),
