@@ -548,13 +548,9 @@ def check_output_path(path) -> None:
     """Fail early (SpecError) when ``path`` cannot be written."""
     from pathlib import Path
 
+    from eth.cli import check_output_file
+
     path = Path(path)
-    if path.is_dir():
-        raise SpecError(f"output {path} is a directory")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise SpecError(f"output {path} cannot be written ({parent} is not a writable directory)")
+    check_output_file(path, "output")
     if path.exists() and not os.access(path.parent, os.W_OK):
         raise SpecError(f"output {path} cannot be replaced ({path.parent} is not writable)")

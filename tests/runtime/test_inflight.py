@@ -23,6 +23,7 @@ from eth.plan import PipelinePlan
 from eth.profiles import ProfileDB
 from megatron.hpp.schedule import ComputeClock, StageComm, one_f_one_b
 from megatron.hpp.topology import Layout, Topology
+from test_schedule_p2p import _Model
 
 
 class _Done:
@@ -33,23 +34,6 @@ class _Done:
 
     def is_completed(self):
         return True
-
-
-class _Stage(torch.nn.Module):
-    """Stand-in stage: hidden = input * w (first stage: w broadcast to [s, b, h]); autograd
-    saves the input (or the ones) of every micro-batch until its backward."""
-
-    def __init__(self, topo, shape):
-        super().__init__()
-        self.topo, self.shape = topo, shape
-        self.w = torch.nn.Parameter(torch.ones(()))
-
-    def forward(self, inputs, labels, scale):
-        if self.topo.is_first:
-            x = self.w * torch.ones(self.shape[0], inputs.shape[0], self.shape[1])
-        else:
-            x = inputs * self.w
-        return (x.sum() * scale) if self.topo.is_last else x
 
 
 class _Saved:
@@ -104,7 +88,8 @@ def peak_in_flight(layout, rank, shape) -> int:
         return torch.zeros(local, shape[0], dtype=torch.long), torch.zeros(local, shape[0], dtype=torch.long)
 
     with torch.autograd.graph.saved_tensors_hooks(alive.pack, alive.unpack):
-        one_f_one_b(_Stage(topo, shape), topo, comm, get_batch, 1.0, ComputeClock())
+        # the p2p test's stand-in stage: autograd saves each micro-batch's input until its backward
+        one_f_one_b(_Model(topo, shape), topo, comm, get_batch, 1.0, ComputeClock())
     assert all(n == 0 for n in alive.count.values()), alive.count   # everything freed at the end
     return alive.peak
 
