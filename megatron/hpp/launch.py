@@ -111,14 +111,17 @@ def expected_node_order(cluster) -> list[str]:
 
 
 def local_host(rank: int | None = None) -> RankHost:
-    """This process as torchrun started it (``rank`` or RANK, LOCAL_RANK, host name)."""
+    """This process as torchrun started it (``rank`` or RANK, LOCAL_RANK, host name: the
+    launch scripts' HPP_HOST when set, as examples/slurm/node.sh names its node, else
+    the machine's host name)."""
     def env(name: str) -> int:
         value = os.environ.get(name, "0")
         try:
             return int(value)
         except ValueError:
             raise SpecError(f"environment {name}={value!r} is not an integer") from None
-    return RankHost(env("RANK") if rank is None else rank, socket.gethostname(), env("LOCAL_RANK"))
+    host = os.environ.get("HPP_HOST") or socket.gethostname()
+    return RankHost(env("RANK") if rank is None else rank, host, env("LOCAL_RANK"))
 
 
 def gather_hosts(group=None) -> list[RankHost]:
