@@ -5,7 +5,9 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
 
     Tf_j = sum over ops of fwd(op, mbs/dp, tp)           profiled op times
          + TP all-reduces (forward)                        collective_ms, tp group link
-                                                           (measured tables inside a node)
+                                                           (measured tables inside a node);
+                                                           none when the profile's op times
+                                                           include them (tp_comm_included)
          + p2p send of the output activation to the next stage (not last stage)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
@@ -194,7 +196,7 @@ class CostModel:
             act += ops[op].act_bytes
 
         comm = 0.0
-        if tp > 1:
+        if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them
             link = self._link(device_type, ranks, tp)
             parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
             for part, count in parts:

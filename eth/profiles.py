@@ -10,10 +10,17 @@ One JSON file per device type (``profiles/<device>.json``), version 1::
                  vocab, swiglu, dropout},
                  "entries": [{"mbs": 1, "tp": 1, "reserved_bytes": 1.0e9,
                               "ops": {"qkv": [fwd_ms, bwd_ms, ...], ...}}, ...]}],
-     "collectives": {"all_reduce": {"2": [[bytes, ms], ...]}, "p2p": {...}}}   # optional
+     "collectives": {"all_reduce": {"2": [[bytes, ms], ...]}, "p2p": {...}},   # optional
+     "tp_comm_included": false}                                                   # optional
 
 A model entry may carry its own "source" (analytic entries that ``ProfileDB.ensure``
 or ``analytic_profile(base=...)`` add to a measured file say "analytic").
+
+``tp_comm_included`` (file level, or per model entry, which overrides the file): whether
+the op times already contain the tensor-parallel all-reduces (a profile measured with a
+real tp group, e.g. an Aceso import).  Absent means false (analytic profiles, and
+tools/profile_ops.py, which runs one shard on a fake tp group); when true the cost model
+adds no tp collectives of its own (:meth:`DeviceProfile.tp_comm_included`).
 
 A model is matched by its *shape* (everything that changes one layer's cost; the
 layer count does not).  Look-up rules for ``mbs`` that was not profiled (``tp`` must
@@ -109,6 +116,8 @@ class DeviceProfile:
         if not isinstance(data["models"], list):
             raise ProfileError(f"{where}.models must be a list")
         _check_collectives(data.get("collectives"), where)
+        file_tp_comm = _tp_comm_flag(data, where, False)
+        self._tp_comm: dict[tuple, bool] = {}
         # shape -> {tp: sorted [(mbs, {op: OpCost}, reserved)]}
         self._table: dict[tuple, dict[int, list]] = {}
         self._names: dict[tuple, str] = {}
@@ -121,6 +130,7 @@ class DeviceProfile:
             if not all(is_number(v) or isinstance(v, bool) for v in shape):
                 raise ProfileError(f"{mw}.shape must hold numbers, got {m['shape']}")
             self._names[shape] = m.get("name", "?")
+            self._tp_comm[shape] = _tp_comm_flag(m, mw, file_tp_comm)
             by_tp = self._table.setdefault(shape, {})
             for j, e in enumerate(m.get("entries", [])):
                 ew = f"{mw}.entries[{j}]"
@@ -148,6 +158,10 @@ class DeviceProfile:
                 if len(set(mbs_list)) != len(mbs_list):
                     raise ProfileError(f"{mw} lists mbs {mbs_list} twice for tp {tp}")
         self._cache: dict = {}
+
+    def tp_comm_included(self, model: ModelSpec) -> bool:
+        """True when ``model``'s op times already contain the tp all-reduces."""
+        return self._tp_comm.get(shape_key(model), False)
 
     def shapes(self) -> list[tuple]:
         return list(self._table)
@@ -177,6 +191,13 @@ class DeviceProfile:
     def collective_table(self, kind: str, n: int):
         table = (self.data.get("collectives") or {}).get(kind, {}).get(str(n))
         return sorted(table) if table else None
+
+
+def _tp_comm_flag(obj: dict, where: str, default: bool) -> bool:
+    value = obj.get("tp_comm_included", default)
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where}.tp_comm_included must be true or false, got {value!r}")
+    return value
 
 
 def _check_collectives(table, where) -> None:
@@ -310,13 +331,13 @@ def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
                           "mem_bw_gbs": device.mem_bw_gbs, "source": device.source},
             "gemm_efficiency": GEMM_EFFICIENCY, "memory_efficiency": MEMORY_EFFICIENCY,
             "kernel_overhead_ms": KERNEL_OVERHEAD_MS, "reserved_bytes": RESERVED_BYTES},
-        "op_fields": list(OP_FIELDS), "models": []}
+        "op_fields": list(OP_FIELDS), "tp_comm_included": False, "models": []}
     data["models"] = list(data["models"])
     for model in models:
         entries = [{"mbs": m, "tp": t, "reserved_bytes": RESERVED_BYTES,
                     "ops": analytic_op_costs(device, model, m, t)}
                    for t in tp if model.splits(t) for m in mbs]
-        data["models"].append({"name": model.name, "source": "analytic",
+        data["models"].append({"name": model.name, "source": "analytic", "tp_comm_included": False,
                                "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
                                "entries": entries})
     return data

@@ -159,3 +159,27 @@ def test_measured_collective_tables_apply_inside_a_node(tiny):
     one_node = CostModel(tiny, Cluster.from_dict({"inter_node_gbps": 1, "nodes": [{"type": "cpu", "devices_per_node": 4}]}), db)
     c1 = one_node.pipeline_costs(NS(mbs=1, lbs=2, stages=[st([0, 1], 2, (0, 2)), st([2, 3], 2, (2, 4))]))
     assert c1[0].send_fwd_ms == 0.25                         # measured p2p inside the node
+
+
+def test_tp_collectives_not_added_when_op_times_include_them(tiny, cpu_cluster):
+    from _foundation_data import flat_profile
+    from eth.errors import ProfileError
+    from eth.profiles import DeviceProfile, ProfileDB
+    data = flat_profile()
+    data["tp_comm_included"] = True       # measured with a real tp group (e.g. an Aceso import)
+    cm = CostModel(tiny, cpu_cluster, ProfileDB({"cpu": DeviceProfile(data)}))
+    one = cm.stage_cost("cpu", 1, 1, (0, 4), 1, num_stages=1)
+    two = cm.stage_cost("cpu", 2, 1, (0, 4), 1, num_stages=1, ranks=[0, 1],
+                        recompute={"attn-dense": 2})
+    # flat profile: the same op times at tp 1 and 2, so nothing is added for tp 2 -- not even
+    # the re-done forward all-reduce of the recomputed row-parallel GEMM
+    assert two.fwd_ms == one.fwd_ms and two.comm_ms == 0.0
+    assert two.bwd_ms == pytest.approx(one.bwd_ms + 2 * 1.0)   # recompute: attn-dense fwd in 2 layers
+    # a model entry overrides the file; an old file without the field means "not included"
+    data["models"][0]["tp_comm_included"] = False
+    cm = CostModel(tiny, cpu_cluster, ProfileDB({"cpu": DeviceProfile(data)}))
+    assert cm.stage_cost("cpu", 2, 1, (0, 4), 1, num_stages=1, ranks=[0, 1]).comm_ms > 0
+    assert not DeviceProfile(flat_profile()).tp_comm_included(tiny)
+    data["tp_comm_included"] = "yes"
+    with pytest.raises(ProfileError, match=r"profile.tp_comm_included must be true or false, got 'yes'"):
+        DeviceProfile(data)
