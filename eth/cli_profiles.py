@@ -3,7 +3,7 @@
     python tools/make_profiles.py                       # profiles/<device>.json, all devices x presets
     python tools/make_profiles.py --devices A100,RTX3090 --models gpt3-13b --seq 4096 -o /tmp/p
     python tools/make_profiles.py --import-aceso runs/a100/ --device A100 --model gpt3-1.3b \
-        -o profiles/A100-measured.json
+        --aceso-model gpt_1_3B -o profiles/A100-measured.json
 
 Analytic files say "source": "analytic" and record the datasheet figures and the
 efficiency factors they assume (eth/profiles.py).  An existing file is merged into,
@@ -11,6 +11,12 @@ not replaced: the model shapes written now replace the same shapes in it, its ot
 shapes stay.  Nothing is written when a requested model would get no entry (e.g.
 ``--tp 3`` for a model whose heads are not divisible by 3), nor when an existing file
 holds another device or another kind (analytic / measured) of profile.
+
+An Aceso import (eth/aceso.py) converts Aceso's microsecond op times to ms, reads the
+CSVs of one Aceso model (``--aceso-model``, needed when the folder holds several),
+refuses CSVs whose weight / activation sizes do not fit ``--model`` (hidden, vocab,
+heads), imports Aceso's ``prim_*`` collective tables, and marks the op times as
+including the tp all-reduces.
 """
 from __future__ import annotations
 
@@ -97,6 +103,9 @@ def _main(argv=None) -> int:
     ap.add_argument("--import-aceso", metavar="DIR", help="Aceso CSV folder to import")
     ap.add_argument("--device", help="device type of the imported profile")
     ap.add_argument("--model", help="model preset the imported CSVs profile")
+    ap.add_argument("--aceso-model", metavar="NAME",
+                    help="Aceso's {model}_{size} of the CSVs to import (e.g. gpt_1_3B) when the "
+                         "folder holds several models' CSVs")
     ap.add_argument("--size-unit-bytes", type=float, default=2 ** 20,
                     help="unit of the CSV size columns (Aceso writes MB)")
     args = ap.parse_args(argv)
@@ -104,17 +113,21 @@ def _main(argv=None) -> int:
         raise SpecError(f"--seq must be positive, got {args.seq}")
     out = Path(args.output)
 
+    if args.aceso_model and not args.import_aceso:
+        raise SpecError("--aceso-model only applies with --import-aceso DIR")
     if args.import_aceso:
         if not args.device or not args.model:
             raise SpecError("--import-aceso needs --device and --model")
         data = import_aceso(args.import_aceso, args.device, get_model(args.model, seq_len=args.seq),
-                            args.size_unit_bytes)
+                            args.size_unit_bytes, aceso_model=args.aceso_model)
         n = sum(len(m["entries"]) for m in data["models"])
         if n == 0:
             raise SpecError(f"{args.import_aceso} holds no (mbs, tp) entry for {args.model}; nothing written")
         data, merged = _merged(data, out)
         save_profile(data, out)
-        print(f"imported {n} (mbs, tp) entries for {args.device} into {out}"
+        tables = sum(len(by_n) for by_n in data.get("collectives", {}).values())
+        print(f"imported {n} (mbs, tp) entries of {data['provenance']['aceso_model']} for {args.device} "
+              f"into {out}" + (f", {tables} collective tables" if tables else "")
               + (" (merged into the existing file)" if merged else ""))
         return 0
 

@@ -42,12 +42,9 @@ measured table for that collective and group size.
 from __future__ import annotations
 
 import bisect
-import csv
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 from eth.cluster import DeviceType
 from eth.errors import ProfileError, is_count, is_number
@@ -380,83 +377,7 @@ def _table_ms(table, nbytes):
     return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
 
 
-# ----------------------------------------------------------------------------------
-# Aceso CSV import.
-
-ACESO_FILE = re.compile(r"^(?P<model>[A-Za-z0-9.-]+)_(?P<size>[^_]+(?:_[^_]+)*?)_mbs(?P<mbs>\d+)"
-                        r"_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv$")
-ACESO_HEADER = ["op_name", "forward-compute", "backward-compute", "input_size", "output_size",
-                "weights", "activations", "fwd_reserved", "bwd_reserved"]
-# Aceso's op names (encoder prefix stripped) -> ours.
-ACESO_ALIASES = MappingProxyType({
-    "embedding": "embedding", "encoder-embedding": "embedding",
-    "1st-layernorm": "1st-layernorm", "attention-qkv": "qkv", "attention-score": "score",
-    "attention-softmax": "softmax", "attention-dropout": "attn-dropout",
-    "attention-context": "context", "attention-dense": "attn-dense",
-    "post-attention-dropout": "post-attn-dropout", "2nd-layernorm": "2nd-layernorm",
-    "mlp-gemm-1": "mlp-gemm-1", "mlp-gelu": "gelu", "mlp-gemm-2": "mlp-gemm-2",
-    "post-mlp-dropout": "post-mlp-dropout", "final-layernorm": "final-layernorm",
-    "gpt-post-process": "head+loss", "post-process": "head+loss",
-})
-
-
-def _aceso_op(name: str) -> str | None:
-    key = name.strip().lower()
-    for prefix in ("enc-", "dec-"):
-        if key.startswith(prefix):
-            key = key[len(prefix):]
-    if key in ALL_OPS:
-        return key
-    return ACESO_ALIASES.get(key)
-
-
-def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float = 2 ** 20,
-                 algo: int = 0) -> dict:
-    """Read an Aceso-style CSV folder into a profile dict for ``device``.
-
-    Files ``{model}_{size}_mbs{m}_tp{t}_algo{a}.csv`` with header ACESO_HEADER; times in
-    ms, sizes in MB (``size_unit_bytes``, Aceso's unit).  Only files of ``algo`` are read.
-    fwd_reserved/bwd_reserved: the largest value becomes the entry's reserved bytes.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ProfileError(f"Aceso profile folder {folder} does not exist")
-    entries = []
-    for path in sorted(folder.glob("*.csv")):
-        m = ACESO_FILE.match(path.name)
-        if not m or int(m["algo"]) != algo:
-            continue
-        with path.open(newline="") as fh:
-            reader = csv.reader(fh)
-            header = [h.strip() for h in next(reader, [])]
-            if header != ACESO_HEADER:
-                raise ProfileError(f"{path.name}: header is {header}, expected {ACESO_HEADER}")
-            ops, reserved = {}, 0.0
-            for lineno, row in enumerate(reader, start=2):
-                if not row or not row[0].strip():
-                    continue
-                if len(row) != len(ACESO_HEADER):
-                    raise ProfileError(f"{path.name}:{lineno}: {len(row)} columns, expected {len(ACESO_HEADER)}")
-                op = _aceso_op(row[0])
-                if op is None:
-                    raise ProfileError(f"{path.name}:{lineno}: unknown op {row[0]!r}")
-                try:
-                    fwd, bwd, inp, out, w, act, fr, br = map(float, row[1:])
-                except ValueError:
-                    raise ProfileError(f"{path.name}:{lineno}: non-numeric value in {row}") from None
-                u = size_unit_bytes
-                ops[op] = [fwd, bwd, w * u, act * u, inp * u, out * u]
-                reserved = max(reserved, fr * u, br * u)
-        missing = [op for op in ALL_OPS if op not in ops]
-        if missing:
-            raise ProfileError(f"{path.name} lacks op(s) {missing}")
-        entries.append({"mbs": int(m["mbs"]), "tp": int(m["tp"]),
-                        "reserved_bytes": reserved or RESERVED_BYTES, "ops": ops})
-    if not entries:
-        raise ProfileError(f"{folder} has no files named {{model}}_{{size}}_mbs{{m}}_tp{{t}}_algo{algo}.csv")
-    return {"version": PROFILE_VERSION, "device": device, "source": "aceso-csv",
-            "provenance": {"imported_from": str(folder), "size_unit_bytes": size_unit_bytes, "algo": algo},
-            "op_fields": list(OP_FIELDS),
-            "models": [{"name": model.name, "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
-                        "entries": entries}]}
-
+def import_aceso(*args, **kwargs) -> dict:
+    """Aceso profile import; see :mod:`eth.aceso`."""
+    from eth.aceso import import_aceso as _import
+    return _import(*args, **kwargs)

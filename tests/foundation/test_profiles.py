@@ -1,4 +1,4 @@
-"""Profile DB: round trip, look-up and interpolation rules, analytic generator, Aceso import."""
+"""Profile DB: round trip, look-up and interpolation rules, analytic generator (Aceso import: test_aceso.py)."""
 import json
 
 import pytest
@@ -8,7 +8,7 @@ from eth.cluster import catalog
 from eth.errors import ProfileError
 from eth.model import ALL_OPS, get_model, op_shapes
 from eth.profiles import (COLLECTIVE_ALPHA_MS, GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, MEMORY_EFFICIENCY,
-                          DeviceProfile, ProfileDB, analytic_profile, collective_ms, import_aceso,
+                          DeviceProfile, ProfileDB, analytic_profile, collective_ms,
                           load_profile, save_profile)
 
 
@@ -128,34 +128,3 @@ def test_collective_alpha_beta():
     assert collective_ms("all_reduce", 4, 2000, 8, prof) == pytest.approx(1.5)
     assert collective_ms("all_reduce", 4, 5000, 8, prof) == pytest.approx(3.0)
     assert collective_ms("all_reduce", 2, 1e6, 8, prof) == pytest.approx(1 + 2 * COLLECTIVE_ALPHA_MS)
-
-
-def _write_aceso(folder, mbs, tp, ms, bad_op=None):
-    header = "op_name,forward-compute,backward-compute,input_size,output_size,weights,activations,fwd_reserved,bwd_reserved\n"
-    names = {"embedding": "encoder-embedding", "qkv": "enc-attention-qkv", "gelu": "enc-MLP-gelu",
-             "head+loss": "gpt-post-process", "post-mlp-dropout": "enc-post-MLP-dropout"}
-    rows = [f"{names.get(op, op)},{ms},{2 * ms},1,2,3,4,5,6" for op in ALL_OPS]
-    if bad_op:
-        rows[1] = f"{bad_op},1,1,1,1,1,1,1,1"
-    (folder / f"gpt_1.3B_mbs{mbs}_tp{tp}_algo0.csv").write_text(header + "\n".join(rows) + "\n")
-
-
-def test_aceso_import(tmp_path):
-    _write_aceso(tmp_path, 1, 1, 0.5)
-    _write_aceso(tmp_path, 2, 1, 0.9)
-    (tmp_path / "gpt_1.3B_mbs4_tp1_algo1.csv").write_text("ignored: other algo\n")
-    model = get_model("gpt3-1.3b")
-    data = import_aceso(tmp_path, "A100", model)
-    prof = DeviceProfile(data)
-    ops, reserved = prof.layer_costs(model, 2, 1)
-    assert ops["qkv"].fwd_ms == 0.9 and ops["gelu"].bwd_ms == 1.8
-    assert ops["qkv"].weight_bytes == 3 * 2 ** 20 and ops["qkv"].act_bytes == 4 * 2 ** 20
-    assert reserved == 6 * 2 ** 20 and data["source"] == "aceso-csv"
-
-
-def test_aceso_import_errors(tmp_path):
-    with pytest.raises(ProfileError, match="has no files named"):
-        import_aceso(tmp_path, "A100", TINY)
-    _write_aceso(tmp_path, 1, 1, 0.5, bad_op="enc-flux-capacitor")
-    with pytest.raises(ProfileError, match=r"gpt_1.3B_mbs1_tp1_algo0.csv:3: unknown op 'enc-flux-capacitor'"):
-        import_aceso(tmp_path, "A100", TINY)

@@ -1,0 +1,136 @@
+"""Aceso profile import (eth/aceso.py) on small CSVs written in Aceso's own format."""
+from dataclasses import replace
+
+import pytest
+
+from eth.aceso import import_aceso
+from eth.cli_profiles import main as make_profiles
+from eth.cluster import Cluster
+from eth.cost import CostModel
+from eth.errors import ProfileError
+from eth.model import ALL_OPS, get_model, op_shapes
+from eth.profiles import DeviceProfile, ProfileDB, analytic_profile, load_profile
+
+MB = 2 ** 20
+GPT13 = get_model("gpt3-1.3b")
+# Aceso's op names, in its order (flex_gpt): ours -> theirs
+NAMES = {"embedding": "encoder-embedding", "1st-layernorm": "enc-1st-layernorm", "qkv": "enc-attention-qkv",
+         "score": "enc-attention-score", "softmax": "enc-attention-softmax",
+         "attn-dropout": "enc-attention-dropout", "context": "enc-attention-context",
+         "attn-dense": "enc-attention-dense", "post-attn-dropout": "enc-post-attention-dropout",
+         "2nd-layernorm": "enc-2nd-layernorm", "mlp-gemm-1": "enc-MLP-GEMM-1", "gelu": "enc-MLP-gelu",
+         "mlp-gemm-2": "enc-MLP-GEMM-2", "post-mlp-dropout": "enc-post-MLP-dropout",
+         "final-layernorm": "final-layernorm", "head+loss": "gpt-post-process"}
+HEADER = "op_name,forward-compute,backward-compute,input_size,output_size,weights,activations,fwd_reserved,bwd_reserved\n"
+
+
+def write_ops(folder, prefix="gpt_1_3B", mbs=1, tp=1, model=GPT13, us=1500.0, overrides=None):
+    """One Aceso op CSV: times in us, sizes in MB with 3 decimals (as Aceso writes them).
+    Sizes follow ``model``'s shapes; ``overrides`` = {op: (input, output, activations) MB}."""
+    shapes = op_shapes(model, mbs, tp)
+    rows = []
+    for op in ALL_OPS:
+        s = shapes[op]
+        inp, out, act = (overrides or {}).get(op, (s.input_bytes / MB, s.output_bytes / MB, s.output_bytes / MB))
+        rows.append(f"{NAMES[op]},{us:.3f},{2 * us:.3f},{inp:.3f},{out:.3f},{s.weight_bytes / MB:.3f},"
+                    f"{act:.3f},5.000,6.000")
+    (folder / f"{prefix}_mbs{mbs}_tp{tp}_algo0.csv").write_text(HEADER + "\n".join(rows) + "\n")
+
+
+def write_prim(folder, name, rows):
+    (folder / name).write_text("data_size(MB),time(ms)\n" + "".join(f"{a},{b}\n" for a, b in rows))
+
+
+def test_times_are_microseconds_and_activations_move_to_their_keeper(tmp_path):
+    overrides = {"1st-layernorm": (8.0, 8.0, 8.25),   # output 8 MB + 0.25 MB statistics it keeps
+                 "qkv": (8.0, 24.0, 24.0),            # keeps its 8 MB input, not its output
+                 "softmax": (128.0, 128.0, 128.0),    # keeps its own output
+                 "attn-dropout": (128.0, 128.0, 192.0)}  # output (kept by context) + its 64 MB mask
+    write_ops(tmp_path, mbs=1, us=1500.0, overrides=overrides)
+    write_ops(tmp_path, mbs=2, us=2500.0)
+    data = import_aceso(tmp_path, "A100", GPT13)
+    assert data["tp_comm_included"] is True and data["models"][0]["tp_comm_included"] is True
+    ops, reserved = DeviceProfile(data).layer_costs(GPT13, 1, 1)
+    assert ops["qkv"].fwd_ms == 1.5 and ops["qkv"].bwd_ms == 3.0          # 1500 us, 3000 us
+    assert DeviceProfile(data).layer_costs(GPT13, 2, 1)[0]["gelu"].fwd_ms == 2.5
+    assert ops["qkv"].act_bytes == 8 * MB
+    assert ops["1st-layernorm"].act_bytes == pytest.approx((8 + 0.25) * MB)
+    assert ops["softmax"].act_bytes == 128 * MB
+    assert ops["attn-dropout"].act_bytes == 64 * MB
+    assert ops["qkv"].weight_bytes == pytest.approx(op_shapes(GPT13, 1, 1)["qkv"].weight_bytes, rel=1e-4)
+    assert reserved == 6 * MB
+
+
+def test_imported_times_give_a_plausible_stage_and_no_extra_tp_comm(tmp_path):
+    write_ops(tmp_path, tp=1, us=1000.0)
+    write_ops(tmp_path, tp=2, us=600.0)
+    cluster = Cluster.from_dict({"name": "a100x2", "inter_node_gbps": 200, "nodes": [{"type": "A100", "devices_per_node": 2}]})
+    cm = CostModel(GPT13, cluster, ProfileDB({"A100": DeviceProfile(import_aceso(tmp_path, "A100", GPT13))}))
+    two = cm.stage_cost("A100", 2, 1, (0, 24), 1, num_stages=1, ranks=[0, 1])
+    # 24 layers x 13 ops x 0.6 ms + embedding, final-layernorm, head (ms, not s)
+    assert two.fwd_ms == pytest.approx((24 * 13 + 3) * 0.6) and two.comm_ms == 0.0
+    analytic = CostModel(GPT13, cluster, ProfileDB({"A100": DeviceProfile(
+        analytic_profile(cluster.types["A100"], [GPT13], (1,), (1, 2)))}))
+    assert analytic.stage_cost("A100", 2, 1, (0, 24), 1, num_stages=1, ranks=[0, 1]).comm_ms > 0
+
+
+def test_model_filter_skips_other_models_csvs(tmp_path):
+    write_ops(tmp_path, prefix="gpt_1_3B", mbs=1)
+    write_ops(tmp_path, prefix="gpt_1_3B", mbs=4)
+    write_ops(tmp_path, prefix="gpt_2_6B", mbs=1, model=get_model("gpt3-2.6b"))
+    (tmp_path / "resnet_500M_mbs1_tp1_algo0.csv").write_text(HEADER + "conv1,1,1,1,1,1,1,1,1\n")
+    with pytest.raises(ProfileError, match=r"holds op CSVs of 3 Aceso models \(gpt_1_3B, gpt_2_6B, "
+                                           r"resnet_500M\); choose one with --aceso-model"):
+        import_aceso(tmp_path, "A100", GPT13)
+    data = import_aceso(tmp_path, "A100", GPT13, aceso_model="gpt_1_3B")
+    assert sorted(e["mbs"] for e in data["models"][0]["entries"]) == [1, 4]
+    assert data["provenance"]["aceso_model"] == "gpt_1_3B"
+    with pytest.raises(ProfileError, match=r"no op CSVs of Aceso model 'gpt_6_7B' \(algo 0\); it holds: "
+                                           r"gpt_1_3B, gpt_2_6B, resnet_500M"):
+        import_aceso(tmp_path, "A100", GPT13, aceso_model="gpt_6_7B")
+
+
+def test_shape_mismatch_is_refused_naming_the_numbers(tmp_path):
+    write_ops(tmp_path)
+    with pytest.raises(ProfileError, match=r"gpt_1_3B_mbs1_tp1_algo0.csv: qkv weights 24.012 MB, but model "
+                                           r"gpt3-2.6b \(hidden 2560\) at mbs 1, tp 1 gives 37.515 MB"):
+        import_aceso(tmp_path, "A100", get_model("gpt3-2.6b"))
+    with pytest.raises(ProfileError, match=r"embedding weights 204.500 MB, but model gpt3-1.3b \(vocab 32000, "
+                                           r"hidden 2048, seq_len 2048\) at mbs 1, tp 1 gives 133.000 MB"):
+        import_aceso(tmp_path, "A100", replace(GPT13, vocab=32000))
+    with pytest.raises(ProfileError, match=r"softmax activations 128.000 MB, but model gpt3-1.3b \(heads 32, "
+                                           r"seq_len 2048\) at mbs 1, tp 1 gives 256.000 MB"):
+        import_aceso(tmp_path, "A100", replace(GPT13, heads=32, kv_heads=32))
+
+
+def test_collective_tables_are_imported(tmp_path):
+    write_ops(tmp_path)
+    write_prim(tmp_path, "prim_gpt_1_3B_all_reduce_2gpus.csv",
+               [(0, 0.01), (4, 0.25), (1, 0.1), (16, 1000000000.0)])   # size 0 and placeholder skipped
+    write_prim(tmp_path, "prim_gpt_1_3B_all_gather_4gpus.csv", [(1, 0.2)])
+    write_prim(tmp_path, "prim_gpt_1_3B_all_to_all_2gpus.csv", [(1, 0.3)])
+    write_prim(tmp_path, "prim_gpt_2_6B_all_reduce_4gpus.csv", [(1, 0.4)])
+    data = import_aceso(tmp_path, "A100", GPT13)
+    assert data["collectives"] == {"all_reduce": {"2": [[1 * MB, 0.1], [4 * MB, 0.25]]},
+                                   "all_gather": {"4": [[4 * MB, 0.2]]}}   # gathered size: 4 ranks x 1 MB
+    prof = DeviceProfile(data)
+    assert prof.collective_table("all_reduce", 4) is None
+
+
+def test_cli_import_and_one_line_errors(tmp_path, capsys):
+    src = tmp_path / "aceso"
+    src.mkdir()
+    write_ops(src, prefix="gpt_1_3B")
+    write_ops(src, prefix="gpt_2_6B", model=get_model("gpt3-2.6b"))
+    out = tmp_path / "A100.json"
+    base = ["--import-aceso", str(src), "--device", "A100", "-o", str(out)]
+    assert make_profiles(base + ["--model", "gpt3-1.3b"]) == 2
+    assert "choose one with --aceso-model" in capsys.readouterr().err
+    assert make_profiles(base + ["--model", "gpt3-1.3b", "--aceso-model", "gpt_2_6B"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "qkv weights 37.515 MB, but model gpt3-1.3b (hidden 2048)" in err
+    assert not out.exists()
+    assert make_profiles(base + ["--model", "gpt3-1.3b", "--aceso-model", "gpt_1_3B"]) == 0
+    assert "imported 1 (mbs, tp) entries of gpt_1_3B for A100" in capsys.readouterr().out
+    assert load_profile(out).tp_comm_included(GPT13)
+    assert make_profiles(["--aceso-model", "gpt_1_3B"]) == 2
