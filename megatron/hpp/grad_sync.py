@@ -127,15 +127,20 @@ class GradReducer:
     def _hook(self, name):
         targets = self._targets[name]
         mine = sorted({i for i, *_ in targets})
+        views = {}   # target -> its place in the bucket's current buffer (built once per buffer)
 
         def hook(param):
             grad = param.grad
-            for i, offset, piece, region in targets:
+            for k, (i, offset, piece, region) in enumerate(targets):
                 b = self.buckets[i]
                 if b.data is None:
                     b.data = self._alloc(b.buf)
-                dst, src = region_views(piece_view(b.data, offset, piece), grad, region)
-                dst.add_(src)
+                buffer, dst = views.get(k, (None, None))
+                if buffer is not b.data:
+                    dst = region_views(piece_view(b.data, offset, piece), grad, region)[0]
+                    views[k] = (b.data, dst)
+                dst.add_(grad if region.dim is None else
+                         grad.narrow(region.dim, region.local_start, region.length))
             param.grad = None
             if self.final and mine:
                 for i in mine:
@@ -208,10 +213,13 @@ class GradReducer:
 
 
 def global_grad_norm(reducer: GradReducer, device) -> float:
-    """L2 norm of the full reduced gradient, every element counted once (all ranks call)."""
+    """L2 norm of the full reduced gradient, every element counted once (all ranks call).
+    Like ``clip_grad_norm_``: an fp32 norm per piece of gradient, their squares summed
+    in fp64."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for grad in reducer.norm_grads():
-        sq += grad.detach().double().pow(2).sum()
+        if grad.numel():
+            sq += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).double() ** 2
     dist.all_reduce(sq)
     return float(sq.sqrt())
 
