@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eth.planner.options import STRATEGIES
 
@@ -79,6 +80,8 @@ def _main(argv=None) -> int:
     # where each device type's op costs came from (the plan hash does not cover profiles)
     plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
                                else db.get(t).source for t in sorted(cluster.types)}
+    if args.profiles:  # so that tools/show_plan.py scores the plan with the same profiles
+        plan.search["profiles_path"] = str(Path(args.profiles).resolve())
     if added:  # said after the search so that an error stays a single line
         plan.search["analytic_profiles"] = added
         print(f"note: analytic profiles (roofline estimates) for {model.name} on "

@@ -6,7 +6,12 @@
     python tools/show_plan.py --legend           # what the headings and abbreviations mean
 
 The plan's stored predictions (fwd/bwd ms, memory GB) are printed as they are; when
-the plan has none they are filled in from the cost model (marked as such).  The
+the plan has none they are filled in from the cost model (marked as such).  Profiles:
+``--profiles``, else the ones the plan was searched with (``search.profiles_path``) when
+that path still exists, else the checkout's ``profiles/``; when the kind of profile used
+for a device type differs from the one the plan records (``search.profiles``: measured,
+aceso-csv, analytic), one line says so and by how much the simulated iteration differs
+from the plan's prediction.  The
 simulated iteration comes from eth/simulate.py (event-driven 1F1B, block-wise
 All-Reduce, optimizer step); see docs/SIMULATOR.md.  Exit code 2 on bad input.
 """
@@ -49,12 +54,16 @@ def _main(argv=None) -> int:
         raise SpecError(f"--optimizer-passes must be >= 0, got {args.optimizer_passes}")
 
     plan = load_plan(args.plan)
+    recorded_path = plan.search.get("profiles_path")
     if args.profiles:
-        profiles = ProfileDB.load(args.profiles)
+        where = args.profiles
+    elif isinstance(recorded_path, str) and Path(recorded_path).exists():
+        where = recorded_path
     elif DEFAULT_PROFILES.is_dir() and any(DEFAULT_PROFILES.glob("*.json")):
-        profiles = ProfileDB.load(DEFAULT_PROFILES)
+        where = str(DEFAULT_PROFILES)
     else:
-        profiles = ProfileDB()
+        where = None
+    profiles = ProfileDB.load(where) if where else ProfileDB()
     analytic = profiles.ensure(plan.model, plan.cluster.types.values())
     cost_model = CostModel(plan.model, plan.cluster, profiles, plan.training)
 
@@ -66,9 +75,14 @@ def _main(argv=None) -> int:
         print("  (no predictions stored in the plan: fwd/bwd/memory computed now by the cost model)")
     if analytic:
         print(f"  (analytic roofline profiles generated for: {', '.join(analytic)})")
+    if where and where == recorded_path and not args.profiles:
+        print(f"  (profiles: {where}, the ones the plan was searched with)")
     print()
     result = simulate(plan, cost_model, options=SimOptions(optimizer_passes=args.optimizer_passes))
     print(format_sim_summary(plan, result))
+    note = profile_mismatch(plan, profiles, analytic, where, result.iteration_ms)
+    if note:
+        print(note)
 
     if args.png:
         from eth.gantt import plot_gantt
@@ -87,6 +101,34 @@ def _main(argv=None) -> int:
         print()
         print(format_legend())
     return 0
+
+
+def _kinds(sources: dict) -> dict:
+    """{device type: first word of the source} ("analytic (generated ...)" -> "analytic")."""
+    return {t: str(src).split()[0] if str(src).split() else "" for t, src in sources.items()}
+
+
+def profile_mismatch(plan, profiles, analytic, where, simulated_ms: float) -> str | None:
+    """One line when a device type is scored with another kind of profile than the plan
+    records (``plan.search["profiles"]``), else None."""
+    recorded = plan.search.get("profiles")
+    if not isinstance(recorded, dict) or not recorded:
+        return None
+    used = {t: "analytic" if t in analytic else profiles.get(t).source for t in recorded
+            if t in plan.cluster.types}
+    want = _kinds({t: recorded[t] for t in used})
+    if _kinds(used) == want:
+        return None
+    fmt = lambda d: ", ".join(f"{t}: {k}" for t, k in sorted(d.items()))
+    path = plan.search.get("profiles_path")
+    made = f"{fmt(want)}" + (f" from {path}, not found" if path and path != where else "")
+    line = (f"note: the plan was searched with {made}; scored here with {fmt(_kinds(used))}"
+            f" ({where or 'generated'}; give --profiles to choose)")
+    predicted = plan.predicted.get("iteration_ms")
+    if isinstance(predicted, (int, float)) and predicted > 0:
+        line += (f": simulated {simulated_ms:.2f} ms vs the plan's predicted {predicted:.2f} ms "
+                 f"({100 * (simulated_ms / predicted - 1):+.1f}%)")
+    return line
 
 
 def main(argv=None) -> int:

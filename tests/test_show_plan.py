@@ -118,3 +118,67 @@ def test_show_plan_script_on_a_broken_file(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == "" and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: ") and "not valid JSON" in proc.stderr
+
+
+def _scaled_profile(device, model, factor):
+    """An analytic profile whose op times are ``factor`` x the roofline, marked measured."""
+    data = analytic_profile(device, [model])
+    data["source"] = "measured"
+    for m in data["models"]:
+        m.pop("source", None)
+        for e in m["entries"]:
+            e["ops"] = {op: [v[0] * factor, v[1] * factor, *v[2:]] for op, v in e["ops"].items()}
+    return data
+
+
+def test_show_plan_uses_the_profiles_the_plan_names(show_plan, tmp_path, capsys):
+    plan = make_plan()
+    for device in plan.cluster.types.values():
+        save_profile(_scaled_profile(device, plan.model, 3.0), tmp_path / "prof" / f"{device.name}.json")
+    plan.search["profiles"] = {"A100": "measured", "RTX3090": "measured"}
+    plan.search["profiles_path"] = str(tmp_path / "prof")
+    measured = ProfileDB.load(tmp_path / "prof")
+    CostModel(plan.model, plan.cluster, measured).annotate(plan)
+    plan.save(tmp_path / "plan.json")
+    expect = simulate(plan, profiles=measured).iteration_ms
+    assert expect > 1.5 * simulate(plan, profiles=ProfileDB.load(ROOT / "profiles")).iteration_ms
+
+    assert run_main(show_plan.main, [str(tmp_path / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert f"(profiles: {tmp_path / 'prof'}, the ones the plan was searched with)" in text
+    assert f"{expect:.2f} ms" in text and "note: the plan was searched with" not in text
+
+    # the recorded folder is gone: the checkout's analytic profiles score it, and one line says so
+    (tmp_path / "prof" / "A100.json").rename(tmp_path / "A100.json")
+    (tmp_path / "prof" / "RTX3090.json").unlink()
+    (tmp_path / "prof").rmdir()
+    assert run_main(show_plan.main, [str(tmp_path / "plan.json")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    analytic_ms = simulate(plan, profiles=ProfileDB.load(ROOT / "profiles")).iteration_ms
+    change = 100 * (analytic_ms / plan.predicted["iteration_ms"] - 1)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"note: the plan was searched with A100: measured, RTX3090: measured from {tmp_path / 'prof'}, "
+        f"not found; scored here with A100: analytic, RTX3090: analytic ({ROOT / 'profiles'}")
+    assert lines[0].endswith(f"vs the plan's predicted {plan.predicted['iteration_ms']:.2f} ms ({change:+.1f}%)")
+    assert change < -20
+
+    # --profiles with the same kinds: no note
+    save_profile(_scaled_profile(plan.cluster.types["RTX3090"], plan.model, 3.0), tmp_path / "RTX3090.json")
+    (tmp_path / "p2").mkdir()
+    for name in ("A100.json", "RTX3090.json"):
+        (tmp_path / name).rename(tmp_path / "p2" / name)
+    assert run_main(show_plan.main, [str(tmp_path / "plan.json"), "--profiles", str(tmp_path / "p2")]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_search_records_the_profiles_path(tmp_path, capsys):
+    from eth.cli_search import main as search_cli
+    from eth.plan import load_plan
+    prof = tmp_path / "prof"
+    save_profile(_scaled_profile(Cluster.from_dict({"inter_node_gbps": 1, "nodes": [
+        {"type": "cpu", "devices_per_node": 1}]}).types["cpu"], get_model("tiny"), 2.0), prof / "cpu.json")
+    out = tmp_path / "plan.json"
+    assert search_cli(["--model", "tiny", "--cluster", str(ROOT / "examples/clusters/cpu-demo.yaml"),
+                       "--gbs", "16", "--profiles", str(prof), "--no-progress", "-o", str(out)]) == 0
+    search = load_plan(out).search
+    assert search["profiles_path"] == str(prof.resolve())
