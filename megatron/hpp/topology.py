@@ -24,10 +24,11 @@ time reductions use the world group.
 
 Dry run::
 
-    python -m megatron.hpp.topology --plan plan.json --dry-run [--fake-rank R]
+    python -m megatron.hpp.topology --plan plan.json --dry-run [--fake-rank R] [--grad-sync block]
 
-prints the layout; with ``--fake-rank`` it also creates every group through torch's
-fake backend as rank R (no processes, no network).
+prints the layout and the gradient layout's collective buffers and groups; with
+``--fake-rank`` it also creates every group a run creates through torch's fake
+backend as rank R (no processes, no network).
 """
 from __future__ import annotations
 
@@ -298,8 +299,9 @@ def _ranges(ranks) -> str:
     return str(ranks)
 
 
-def fake_build(layout: Layout, rank: int) -> Topology:
-    """Create every group through torch's fake backend as ``rank`` (dry run only)."""
+def fake_build(layout: Layout, rank: int, extra_groups=()) -> Topology:
+    """Create every group (and ``extra_groups``) through torch's fake backend as ``rank``
+    (dry run only)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -309,7 +311,7 @@ def fake_build(layout: Layout, rank: int) -> Topology:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
-        return build_topology(layout, rank)
+        return build_topology(layout, rank, extra_groups=extra_groups)
     finally:
         dist.destroy_process_group()
 
@@ -323,25 +325,38 @@ def main(argv=None) -> int:
                         help="WORLD_SIZE to check against (default: the plan's)")
     parser.add_argument("--fake-rank", type=int, default=None,
                         help="also create every process group as this rank on torch's fake backend")
+    parser.add_argument("--grad-sync", default="block", choices=("block", "device", "tensor"),
+                        help="gradient layout whose groups the run creates (pretrain_gpt.py --grad-sync)")
+    parser.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
+                        help="as pretrain_gpt.py: gradient bucket size in elements, 0 = unbucketed")
     args = parser.parse_args(argv)
+    from eth.blocks import GradLayout
+
     try:
         plan = load_plan(args.plan)
         layout = check_plan(plan, args.world_size or plan.world_size)
+        grads = GradLayout(plan, args.grad_sync, args.ddp_bucket_size)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(layout.describe())
+    reduced = [b for b in grads.buffers if len(b.ranks) > 1]
+    per_rank = max((len([b for b in grads.buffers_of(r) if len(b.ranks) > 1]) for r in range(plan.world_size)),
+                   default=0)
+    print(f"gradient sync ({args.grad_sync}-wise, {plan.training.precision}, ZeRO {plan.training.zero_stage}): "
+          f"{len(reduced)} collective buffers in {len(grads.groups())} participant groups, "
+          f"at most {per_rank} per rank")
     if args.fake_rank is not None:
         if not 0 <= args.fake_rank < layout.world_size:
             print(f"error: --fake-rank {args.fake_rank} is outside 0..{layout.world_size - 1}",
                   file=sys.stderr)
             return 2
         t0 = time.perf_counter()
-        topo = fake_build(layout, args.fake_rank)
+        topo = fake_build(layout, args.fake_rank, grads.groups())
+        created = len({tuple(sorted(g.ranks)) for g in layout.groups} | set(grads.groups()))
         print(f"fake backend: rank {topo.rank} = pipeline {topo.pipeline} stage {topo.stage_index} "
-              f"tp {topo.tp_rank} dp {topo.dp_rank}; created {len(layout.groups)} groups "
-              f"(this rank is in {1 + len(set(map(id, topo.hold_groups.values())))}) "
-              f"in {time.perf_counter() - t0:.2f} s")
+              f"tp {topo.tp_rank} dp {topo.dp_rank}; created {created} groups "
+              f"(this rank is in {len(topo.groups)}) in {time.perf_counter() - t0:.2f} s")
     return 0
 
 

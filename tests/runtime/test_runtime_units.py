@@ -47,6 +47,12 @@ def test_dry_run_cli_on_fake_backend(tmp_path, capsys):
     assert topology.main(["--plan", str(tmp_path / "big.json"), "--dry-run", "--fake-rank", "700"]) == 0
     out = capsys.readouterr().out
     assert "fake backend: rank 700 = pipeline 5 stage 3 tp 0 dp 3" in out
+    # every layer has 32 replicas (8 pipelines x dp 4) at tp 8 and tp 4: g = 8 sub-blocks of
+    # 32 ranks; the holder sets change every 3 layers (the tp 4 pipelines' stages): 8 x 8
+    # groups, one buffer each (< 40M elements); a rank holds 2 of them (tp 8: 6 layers =
+    # two sets; tp 4: 2 sub-blocks)
+    assert "gradient sync (block-wise, fp32, ZeRO 0): 64 collective buffers in 64 participant " \
+           "groups, at most 2 per rank" in out
     assert topology.main(["--plan", str(tmp_path / "big.json"), "--world-size", "512"]) == 2
     assert "plan needs 1024 ranks, WORLD_SIZE is 512" in capsys.readouterr().err
 
