@@ -270,14 +270,6 @@ class GradLayout:
         rank creates the process groups in this order)."""
         return list(dict.fromkeys(b.ranks for b in self.buffers if len(b.ranks) > 1))
 
-    def collective_bytes(self, element_bytes: int) -> dict[tuple[int, ...], int]:
-        """Bytes reduced per participant set (padded buffers, sets of > 1 rank)."""
-        out: dict = {}
-        for b in self.buffers:
-            if len(b.ranks) > 1:
-                out[b.ranks] = out.get(b.ranks, 0) + b.padded_numel * element_bytes
-        return out
-
 
 def _short(ranks) -> str:
     ranks = list(ranks)
