@@ -6,7 +6,7 @@ import pytest
 from _foundation_data import TINY, flat_profile
 from eth.cluster import catalog
 from eth.errors import ProfileError
-from eth.model import ALL_OPS, get_model, op_shapes
+from eth.model import get_model, op_shapes
 from eth.profiles import (COLLECTIVE_ALPHA_MS, GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, MEMORY_EFFICIENCY,
                           DeviceProfile, ProfileDB, analytic_profile, collective_ms,
                           load_profile, save_profile)
