@@ -27,8 +27,14 @@ the gathered input per rank for all_gather).  all_reduce, all_gather and
 reduce_scatter become the profile's measured collective tables (all_gather as the
 gathered size, n x the rank's tensor, which is what :func:`eth.profiles.collective_ms`
 takes); all_to_all has no use here; rows of size 0 and Aceso's placeholder times for
-sizes it did not run (>= 1e6 ms) are skipped.  Aceso's ``p2p_*.csv`` bandwidth files
-are not imported (their format is not established here); p2p stays alpha-beta.
+sizes it did not run (>= 1e6 ms) are skipped.
+
+Aceso's p2p bandwidth profiler appends, per run, two header-less rows to
+``p2p_intra_node.csv`` / ``p2p_inter_node.csv``: the message sizes in MB (1, 2, ...,
+1024) and the measured bandwidths in GB/s of 1024 MB.  The last run in
+``p2p_intra_node.csv`` becomes the p2p table (``time ms = MB / 1024 / GB/s x 1000``);
+the cost model uses measured tables only inside a node, so ``p2p_inter_node.csv`` is not
+imported (between nodes the cluster's ``inter_node_gbps`` applies).
 
 Aceso measures ops with a real tp group, so the imported op times include the tp
 all-reduces: the profile says ``"tp_comm_included": true`` and the cost model adds none.
@@ -147,6 +153,27 @@ def read_prim_csv(path: Path, kind: str, n: int, unit: float) -> list[list[float
     return sorted(rows)
 
 
+def read_p2p_csv(path: Path) -> list[list[float]]:
+    """The last (sizes MB, bandwidths GB/s) row pair of an Aceso p2p file as [[bytes, ms], ...]."""
+    with path.open(newline="") as fh:
+        rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+    if len(rows) < 2 or len(rows) % 2:
+        raise ProfileError(f"{path.name}: expected pairs of rows (sizes MB, bandwidths GB/s), "
+                           f"got {len(rows)} rows")
+    sizes, bws = rows[-2], rows[-1]
+    if len(sizes) != len(bws):
+        raise ProfileError(f"{path.name}: {len(sizes)} sizes but {len(bws)} bandwidths in the last run")
+    try:
+        pairs = [(float(a), float(b)) for a, b in zip(sizes, bws)]
+    except ValueError:
+        raise ProfileError(f"{path.name}: non-numeric value in {sizes} / {bws}") from None
+    bad = [(mb, gbs) for mb, gbs in pairs if mb <= 0 or gbs <= 0]
+    if bad:
+        raise ProfileError(f"{path.name}: sizes and bandwidths must be positive, got {bad[0][0]} MB "
+                           f"at {bad[0][1]} GB/s")
+    return sorted([mb * 2 ** 20, mb / 1024 / gbs * 1e3] for mb, gbs in pairs)
+
+
 def _choose_prefix(folder: Path, found: set[str], aceso_model: str | None, algo: int) -> str:
     if aceso_model is not None:
         if aceso_model not in found:
@@ -190,12 +217,15 @@ def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float =
         rows = read_prim_csv(path, pm["kind"], int(pm["n"]), size_unit_bytes)
         if rows:
             collectives.setdefault(pm["kind"], {})[pm["n"]] = rows
+    if (folder / "p2p_intra_node.csv").is_file():
+        collectives["p2p"] = {"2": read_p2p_csv(folder / "p2p_intra_node.csv")}
     data = {"version": PROFILE_VERSION, "device": device, "source": "aceso-csv",
             "provenance": {"imported_from": str(folder), "aceso_model": prefix, "algo": algo,
                            "size_unit_bytes": size_unit_bytes,
                            "op_times": "Aceso microseconds / 1000",
                            "act_bytes": "moved from the producing op to the op that keeps it (eth/aceso.py)",
-                           "p2p": "alpha-beta (Aceso's p2p_*.csv not imported)"},
+                           "p2p": ("p2p_intra_node.csv (last run)" if "p2p" in collectives
+                                   else "alpha-beta (no p2p_intra_node.csv)")},
             "op_fields": list(OP_FIELDS), "tp_comm_included": True,
             "models": [{"name": model.name, "source": "aceso-csv", "tp_comm_included": True,
                         "shape": {f: getattr(model, f) for f in SHAPE_FIELDS}, "entries": entries}]}

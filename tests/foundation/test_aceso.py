@@ -134,3 +134,22 @@ def test_cli_import_and_one_line_errors(tmp_path, capsys):
     assert "imported 1 (mbs, tp) entries of gpt_1_3B for A100" in capsys.readouterr().out
     assert load_profile(out).tp_comm_included(GPT13)
     assert make_profiles(["--aceso-model", "gpt_1_3B"]) == 2
+
+
+def test_intra_node_p2p_bandwidths_become_the_p2p_table(tmp_path):
+    write_ops(tmp_path)
+    # two runs appended (sizes MB, bandwidths GB/s); the last one counts
+    (tmp_path / "p2p_intra_node.csv").write_text("1,2,4\n1.00,1.00,1.00\n1,2,4\n10.00,20.00,40.00\n")
+    (tmp_path / "p2p_inter_node.csv").write_text("1,2\n5.00,5.00\n")
+    data = import_aceso(tmp_path, "A100", GPT13)
+    # 1 MB at 10 GB/s (GB = 1024 MB): 1/1024/10 s = 0.09765625 ms; 2 MB at 20 and 4 MB at 40: the same
+    assert data["collectives"]["p2p"] == {"2": [[1 * MB, 0.09765625], [2 * MB, 0.09765625],
+                                                [4 * MB, 0.09765625]]}
+    assert set(data["collectives"]) == {"p2p"}                       # inter-node: cluster link
+    (tmp_path / "p2p_intra_node.csv").write_text("1,2,4\n10.00,0,40.00\n")
+    with pytest.raises(ProfileError, match=r"p2p_intra_node.csv: sizes and bandwidths must be positive, "
+                                           r"got 2.0 MB at 0.0 GB/s"):
+        import_aceso(tmp_path, "A100", GPT13)
+    (tmp_path / "p2p_intra_node.csv").write_text("1,2,4\n")
+    with pytest.raises(ProfileError, match=r"expected pairs of rows .* got 1 rows"):
+        import_aceso(tmp_path, "A100", GPT13)
