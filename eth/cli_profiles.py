@@ -15,7 +15,7 @@ holds another device or another kind (analytic / measured) of profile.
 An Aceso import (eth/aceso.py) converts Aceso's microsecond op times to ms, reads the
 CSVs of one Aceso model (``--aceso-model``, needed when the folder holds several),
 refuses CSVs whose weight / activation sizes do not fit ``--model`` (hidden, vocab,
-heads), imports Aceso's ``prim_*`` collective tables, and marks the op times as
+heads), imports Aceso's ``prim_*`` collective tables and ``p2p_intra_node.csv``, and marks the op times as
 including the tp all-reduces.
 """
 from __future__ import annotations
