@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from eth.aceso import import_aceso
 from eth.cli import int_list, run_main
 from eth.cluster import catalog
 from eth.errors import SpecError
 from eth.model import PRESETS, get_model
-from eth.profiles import (DEFAULT_MBS, DEFAULT_TP, SHAPE_FIELDS, analytic_profile, import_aceso,
-                          load_profile, save_profile)
+from eth.profiles import DEFAULT_MBS, DEFAULT_TP, SHAPE_FIELDS, analytic_profile, load_profile, save_profile
 
 
 def _names(text: str, known, what: str) -> list[str]:

@@ -375,9 +375,3 @@ def _table_ms(table, nbytes):
         return t1 + (nbytes - b1) * (t1 - t0) / (b1 - b0)
     (b0, t0), (b1, t1) = table[i - 1], table[i]
     return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
-
-
-def import_aceso(*args, **kwargs) -> dict:
-    """Aceso profile import; see :mod:`eth.aceso`."""
-    from eth.aceso import import_aceso as _import
-    return _import(*args, **kwargs)
