@@ -419,8 +419,10 @@ def profile_dict(cfg: ProfileConfig, entries: list[dict], prov: dict, collective
     """A version-1 profile JSON dict holding one model shape."""
     model = {"name": cfg.model.name, "shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS},
              "provenance": prov, "entries": entries}
+    # one shard timed on a fake tp group: the tp all-reduces are not in the op times
     data = {"version": PROFILE_VERSION, "device": cfg.device_type, "source": "measured",
-            "provenance": prov, "op_fields": list(OP_FIELDS), "models": [model]}
+            "provenance": prov, "op_fields": list(OP_FIELDS), "tp_comm_included": False,
+            "models": [model]}
     if collectives:
         data["collectives"] = collectives
     return data

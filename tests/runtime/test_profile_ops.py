@@ -63,6 +63,8 @@ def entries(path):
 def test_file_loads_and_serves_every_entry(measured, capsys):
     prof = load_profile(measured)
     assert prof.source == "measured" and prof.device == "cpu"
+    # one shard on a fake tp group: the cost model must add the tp all-reduces itself
+    assert prof.data["tp_comm_included"] is False and not prof.tp_comm_included(TINY)
     prov = prof.data["provenance"]
     for key in ("device_name", "torch", "megatron_core", "dtype", "repeats", "date", "command"):
         assert prov[key], key
