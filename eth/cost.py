@@ -145,6 +145,8 @@ class CostModel:
     setup: TrainSetup = field(default_factory=TrainSetup)
     """Precision, ZeRO stage and gradient dtype planned for (bf16, ZeRO 0, fp32 grads)."""
     _cache: dict = field(default_factory=dict, repr=False)
+    _links: dict = field(default_factory=dict, repr=False)
+    """Slowest link (Gbit/s) of a rank tuple: tp groups and p2p pairs, memoised."""
 
     @property
     def bytes_per_param(self) -> float:
@@ -168,19 +170,55 @@ class CostModel:
             raise SpecError(f"mbs {mbs} is not divisible by dp {dp}")
         recompute = {op: n for op, n in (recompute or {}).items() if n > 0}
         start, end = layers
-        first, last = start == 0, end == self.model.num_layers
-        key = (device_type, tp, dp, end - start, first, last, mbs, tuple(sorted(recompute.items())),
-               stage_index, num_stages, num_microbatches,
-               self._link(device_type, ranks, tp), self._p2p_link(device_type, ranks, next_ranks),
-               self._p2p_link(device_type, ranks, prev_ranks))
+        inflight = num_stages - stage_index
+        if num_microbatches is not None:
+            inflight = max(1, min(inflight, num_microbatches))
+        links = self.stage_links(device_type, tp, ranks, next_ranks, prev_ranks)
+        return self.stage_cost_at(device_type, tp, dp, end - start, start == 0, end == self.model.num_layers,
+                                  mbs, recompute, inflight, links)
+
+    def stage_links(self, device_type: str, tp: int, ranks=None, next_ranks=None,
+                    prev_ranks=None) -> tuple[float, float, float]:
+        """(tp group, p2p to the next stage, p2p to the previous stage) links of a stage, Gbit/s."""
+        return (self._link(device_type, ranks, tp), self._p2p_link(device_type, ranks, next_ranks),
+                self._p2p_link(device_type, ranks, prev_ranks))
+
+    def stage_cost_at(self, device_type: str, tp: int, dp: int, nl: int, first: bool, last: bool,
+                      mbs: int, recompute: dict[str, int], inflight: int,
+                      links: tuple[float, float, float]) -> StageCost:
+        """:meth:`stage_cost` of ``nl`` layers (holding the embedding when ``first``, the head
+        when ``last``) with ``inflight`` micro-batches in flight and the :meth:`stage_links`
+        ``links``; ``recompute`` holds counts > 0 only.  Memoised: a stage's cost depends on
+        its position only through ``inflight`` and on its ranks only through ``links``."""
+        rec_items = tuple(recompute.items())
+        key = (device_type, tp, dp, nl, first, last, mbs, rec_items, inflight) + links
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        micro = mbs // dp
+        if mbs % dp:
+            raise SpecError(f"mbs {mbs} is not divisible by dp {dp}")
+        # times, activations and parameters depend on the shape only, not on the
+        # stage's position (in-flight micro-batches) nor its dp (optimizer shards)
+        skey = ("shape", device_type, tp, mbs // dp, nl, first, last, rec_items) + links
+        shape = self._cache.get(skey)
+        if shape is None:
+            shape = self._cache[skey] = self._stage_shape(device_type, tp, mbs // dp, nl, first, last,
+                                                          recompute, links)
+        fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b = shape
+        memory = params * self.setup.state_bytes_per_param(dp) + inflight * max(act, 0.0) + reserved
+        capacity = self.cluster.types[device_type].memory_bytes
+        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
+                         send_f, send_b)
+        self._cache[key] = cost
+        return cost
+
+    def _stage_shape(self, device_type: str, tp: int, micro: int, nl: int, first: bool, last: bool,
+                     recompute: dict[str, int], links: tuple[float, float, float]) -> tuple:
+        """(fwd, bwd, recompute, comm ms, params, act bytes, reserved bytes, send fwd / bwd ms) of
+        ``nl`` layers at ``micro`` samples per replica; ``links`` = (tp group, next, previous)."""
         prof = self.profiles.get(device_type)
         scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
         ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
-        nl = end - start
         layer_ops = [ops[op] for op in LAYER_OPS]
         fwd = nl * sum(c.fwd_ms for c in layer_ops)
         bwd = nl * sum(c.bwd_ms for c in layer_ops)
@@ -197,7 +235,7 @@ class CostModel:
 
         comm = 0.0
         if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them
-            link = self._link(device_type, ranks, tp)
+            link = links[0]
             parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
             for part, count in parts:
                 f_sizes, b_sizes = tp_allreduces(self.model, micro, part)
@@ -218,25 +256,15 @@ class CostModel:
         boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES * scale
         send_f = send_b = 0.0
         if not last:
-            link = self._p2p_link(device_type, ranks, next_ranks)
+            link = links[1]
             send_f = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
         if not first:
-            link = self._p2p_link(device_type, ranks, prev_ranks)
+            link = links[2]
             send_b = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
         fwd += send_f
         bwd += send_b
         comm += send_f + send_b
-
-        params = weights / prof.dtype_bytes
-        inflight = num_stages - stage_index
-        if num_microbatches is not None:
-            inflight = max(1, min(inflight, num_microbatches))
-        memory = params * self.setup.state_bytes_per_param(dp) + inflight * max(act, 0.0) + reserved
-        capacity = self.cluster.types[device_type].memory_bytes
-        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
-                         send_f, send_b)
-        self._cache[key] = cost
-        return cost
+        return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b
 
     @staticmethod
     def _recompute_savings(ops, recompute: dict[str, int]) -> float:
@@ -263,12 +291,20 @@ class CostModel:
     def _link(self, device_type, ranks, tp):
         if ranks is None or tp <= 1:
             return self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
-        return self.cluster.link_gbps(list(ranks)[:tp])
+        group = tuple(ranks)[:tp]
+        gbps = self._links.get(group)
+        if gbps is None:
+            gbps = self._links[group] = self.cluster.link_gbps(group)
+        return gbps
 
     def _p2p_link(self, device_type, ranks, peer_ranks):
         if ranks is None or not peer_ranks:
             return self.cluster.intra_node_gbps or self.cluster.types[device_type].link_gbps
-        return self.cluster.link_gbps([list(ranks)[0], list(peer_ranks)[0]])
+        pair = (ranks[0], peer_ranks[0])
+        gbps = self._links.get(pair)
+        if gbps is None:
+            gbps = self._links[pair] = self.cluster.link_gbps(pair)
+        return gbps
 
     def pipeline_costs(self, pipeline, num_microbatches: int | None = None) -> list[StageCost]:
         """StageCost of every stage of a pipeline (a PipelinePlan or alike)."""
@@ -288,9 +324,10 @@ class CostModel:
         return stage_allreduce_ms(self, pipelines)
 
     # ------------------------------------------------------------------ plans
-    def evaluate(self, plan) -> dict:
-        """Predicted times and memory of a whole plan (Eq. 5 with Eq. 6)."""
-        ar = self.stage_allreduce_ms(plan.pipelines)
+    def evaluate(self, plan, ar=None) -> dict:
+        """Predicted times and memory of a whole plan (Eq. 5 with Eq. 6); ``ar``: the plan's
+        :meth:`stage_allreduce_ms` when the caller has it (it does not depend on Lbs)."""
+        ar = ar if ar is not None else self.stage_allreduce_ms(plan.pipelines)
         pipes = []
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)

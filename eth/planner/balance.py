@@ -31,7 +31,6 @@ evaluation budget is spent.  The budget is set per stage group by
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
 
@@ -56,7 +55,7 @@ def resplit(ev: Evaluator, state: PipeState) -> PipeState:
     """Layers inversely proportional to each stage's per-layer time at its tp/dp/mbs."""
     speeds = [1.0 / ev.layer_ms(s, state.mbs) for s in state.stages]
     counts = split_layers(ev.model.num_layers, speeds)
-    return replace(state, stages=tuple(replace(s, layers=c) for s, c in zip(state.stages, counts)))
+    return PipeState(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
 
 
 def _lcm(values) -> int:
@@ -105,15 +104,15 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) 
             for nb in (j - 1, j + 1):
                 if 0 <= nb < len(stages):
                     new = list(stages)
-                    new[j] = replace(st, layers=st.layers - k)
-                    new[nb] = replace(stages[nb], layers=stages[nb].layers + k)
+                    new[j] = st.with_layers(st.layers - k)
+                    new[nb] = stages[nb].with_layers(stages[nb].layers + k)
                     out.append(PipeState(tuple(new), state.mbs))
     # tp <-> dp exchange
     tps = ev.valid_tps(st.device_type, st.ndev, ranks[j] if ranks else None)
     for tp in (st.tp * 2, st.tp // 2):
         if tp in tps:
             new = list(stages)
-            new[j] = replace(st, tp=tp)
+            new[j] = st.with_tp(tp)
             dp = st.ndev // tp
             if state.mbs % dp == 0:
                 out.append(PipeState(tuple(new), state.mbs))

@@ -45,6 +45,13 @@ class StageState:
     def dp(self) -> int:
         return self.ndev // self.tp
 
+    def with_layers(self, layers: int) -> "StageState":
+        """This stage with ``layers`` layers (``dataclasses.replace`` is slow in the balancer)."""
+        return StageState(self.device_type, self.ndev, self.tp, layers)
+
+    def with_tp(self, tp: int) -> "StageState":
+        return StageState(self.device_type, self.ndev, tp, self.layers)
+
 
 @dataclass(frozen=True)
 class PipeState:
@@ -90,6 +97,7 @@ class Evaluator:
         self.model = cost.model
         self._fit: dict = {}
         self._order: dict = {}
+        self._saved: dict = {}
         self._tps: dict = {}
         self.evaluations = 0
 
@@ -128,17 +136,20 @@ class Evaluator:
     def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
                   nmb: int, ranks, next_ranks, prev_ranks=None):
         """(StageCost, recompute pairs, overflow bytes) with the least recompute that fits."""
-        key = (st, layers[0] == 0, layers[1] == self.model.num_layers, mbs, j, num_stages, nmb,
-               tuple(ranks[:1] + ranks[st.tp - 1:st.tp]) if ranks else None,
-               tuple(next_ranks[:1]) if next_ranks else None,
-               tuple(prev_ranks[:1]) if prev_ranks else None)
+        # the result depends on the stage's position only through its in-flight
+        # micro-batches and on its ranks only through the links they cross
+        first, last = layers[0] == 0, layers[1] == self.model.num_layers
+        inflight = max(1, min(num_stages - j, nmb))
+        links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
+        key = (st, first, last, mbs, inflight) + links
         hit = self._fit.get(key)
         if hit is not None:
             return hit
 
         def cost(rec):
-            return self.cost.stage_cost(st.device_type, st.tp, st.dp, layers, mbs, rec, j, num_stages,
-                                        nmb, ranks, next_ranks, prev_ranks)
+            rec = {op: n for op, n in (rec or {}).items() if n > 0}
+            return self.cost.stage_cost_at(st.device_type, st.tp, st.dp, layers[1] - layers[0], first, last,
+                                           mbs, rec, inflight, links)
 
         c = cost(None)
         result = (c, (), 0.0)
@@ -149,22 +160,29 @@ class Evaluator:
             fixed = c.memory_bytes - c.inflight * c.act_bytes
             room = c.capacity_bytes - fixed
 
-            def fits(rec):
-                saved = self.cost._recompute_savings(ops, rec)
+            nl = layers[1] - layers[0]
+            skey = (st.device_type, mbs // st.dp, st.tp, nl)
+
+            def fits(rec, k, op):
+                # rec = the order's first k ops in all nl layers and op (the k-th) in
+                # rec[op] layers, so the savings depend on (shape, k, rec[op]) only
+                sk = skey + (k, rec[op])
+                saved = self._saved.get(sk)
+                if saved is None:
+                    saved = self._saved[sk] = self.cost._recompute_savings(ops, rec)
                 return c.inflight * max(c.act_bytes - saved, 0.0) <= room
 
-            nl = layers[1] - layers[0]
             chosen: dict[str, int] = {}
             found = False
             if room >= 0:
-                for op in self.recompute_order(st.device_type, mbs // st.dp, st.tp):
+                for k, op in enumerate(self.recompute_order(st.device_type, mbs // st.dp, st.tp)):
                     chosen[op] = nl
-                    if fits(chosen):
+                    if fits(chosen, k, op):
                         lo, hi = 0, nl
                         while hi - lo > 1:
                             mid = (lo + hi) // 2
                             chosen[op] = mid
-                            if fits(chosen):
+                            if fits(chosen, k, op):
                                 hi = mid
                             else:
                                 lo = mid
@@ -183,8 +201,9 @@ class Evaluator:
         self.evaluations += 1
         S = len(state.stages)
         nmb = max(1, math.ceil(batch / state.mbs))
+        ranges = state.layer_ranges()
         costs, recs, overflow = [], [], 0.0
-        for j, (st, rng) in enumerate(zip(state.stages, state.layer_ranges())):
+        for j, (st, rng) in enumerate(zip(state.stages, ranges)):
             c, rec, over = self.fit_stage(st, rng, state.mbs, j, S, nmb, ranks[j],
                                           ranks[j + 1] if j + 1 < S else None,
                                           ranks[j - 1] if j > 0 else None)
@@ -195,7 +214,7 @@ class Evaluator:
             return Evaluation(math.inf, overflow, tuple(costs), tuple(recs))
         ms = eq1_pipeline_ms(costs, batch, state.mbs)
         extra, head_bwd = 0.0, 0.0
-        for j, (st, rng) in enumerate(zip(state.stages, state.layer_ranges())):
+        for j, (st, rng) in enumerate(zip(state.stages, ranges)):
             if st.dp > 1:
                 extra = max(extra, self.own_allreduce_ms(st, rng, ranks[j]) - head_bwd)
             head_bwd += costs[j].bwd_ms
@@ -220,6 +239,10 @@ class Evaluator:
 
     def layer_ms(self, st: StageState, mbs: int) -> float:
         """Time of one middle layer of a stage (no boundary ops), for layer splitting."""
-        c = self.cost.stage_cost(st.device_type, st.tp, st.dp, (1, 2) if self.model.num_layers > 2 else (0, 1),
-                                 mbs)
-        return max(c.total_ms, 1e-9)
+        key = ("layer", st.device_type, st.tp, st.dp, mbs)
+        hit = self._fit.get(key)
+        if hit is None:
+            c = self.cost.stage_cost(st.device_type, st.tp, st.dp,
+                                     (1, 2) if self.model.num_layers > 2 else (0, 1), mbs)
+            hit = self._fit[key] = max(c.total_ms, 1e-9)
+        return hit

@@ -200,7 +200,7 @@ class HPPSearch:
             return None
         for p, n in zip(plan.pipelines, alloc.lbs):
             p.lbs = n
-        ev = self.cost.evaluate(plan)
+        ev = self.cost.evaluate(plan, ar)   # same pipelines and stages: only Lbs changed
         if not ev["feasible"]:
             self._reason("memory after allocation")
             return None
