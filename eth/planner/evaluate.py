@@ -98,6 +98,7 @@ class Evaluator:
         self._fit: dict = {}
         self._order: dict = {}
         self._saved: dict = {}
+        self._links: dict = {}
         self._tps: dict = {}
         self.evaluations = 0
 
@@ -134,13 +135,16 @@ class Evaluator:
         return self._order[key]
 
     def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
-                  nmb: int, ranks, next_ranks, prev_ranks=None):
-        """(StageCost, recompute pairs, overflow bytes) with the least recompute that fits."""
+                  nmb: int, ranks, next_ranks, prev_ranks=None, links=None):
+        """(StageCost, recompute pairs, overflow bytes) with the least recompute that fits.
+
+        ``links``: ``CostModel.stage_links`` of these ranks when the caller has them."""
         # the result depends on the stage's position only through its in-flight
         # micro-batches and on its ranks only through the links they cross
         first, last = layers[0] == 0, layers[1] == self.model.num_layers
         inflight = max(1, min(num_stages - j, nmb))
-        links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
+        if links is None:
+            links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
         key = (st, first, last, mbs, inflight) + links
         hit = self._fit.get(key)
         if hit is not None:
@@ -202,11 +206,20 @@ class Evaluator:
         S = len(state.stages)
         nmb = max(1, math.ceil(batch / state.mbs))
         ranges = state.layer_ranges()
+        # links of stage j by (j, type, tp), memoised per ranks object (the balancer
+        # evaluates thousands of states on the same ranks); the entry keeps ranks alive
+        memo = self._links.get(id(ranks))
+        if memo is None or memo[0] is not ranks:
+            memo = self._links[id(ranks)] = (ranks, {})
+        memo = memo[1]
         costs, recs, overflow = [], [], 0.0
         for j, (st, rng) in enumerate(zip(state.stages, ranges)):
-            c, rec, over = self.fit_stage(st, rng, state.mbs, j, S, nmb, ranks[j],
-                                          ranks[j + 1] if j + 1 < S else None,
-                                          ranks[j - 1] if j > 0 else None)
+            lkey = (j, S, st.device_type, st.tp)
+            links = memo.get(lkey)
+            nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
+            if links is None:
+                links = memo[lkey] = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
+            c, rec, over = self.fit_stage(st, rng, state.mbs, j, S, nmb, ranks[j], nxt, prv, links)
             costs.append(c)
             recs.append(rec)
             overflow += over

@@ -85,7 +85,8 @@ class StageRecomputeEvaluator(Evaluator):
     HPP rule's op-level choice).  The stage balancer works unchanged on top of it."""
 
     def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
-                  nmb: int, ranks, next_ranks, prev_ranks=None):
+                  nmb: int, ranks, next_ranks, prev_ranks=None, links=None):
+        # ``links`` (the caller's CostModel.stage_links) is not needed: stage_cost derives them
         key = ("stage-recompute", st, layers, mbs, j, num_stages, nmb,
                tuple(ranks) if ranks else None, tuple(next_ranks[:1]) if next_ranks else None,
                tuple(prev_ranks[:1]) if prev_ranks else None)
