@@ -47,7 +47,6 @@ from eth.errors import SpecError
 from eth.fileio import atomic_write_text
 
 SHAPE_FIELDS = ("num_layers", "hidden", "heads", "ffn", "seq_len", "vocab", "kv_heads", "swiglu")
-STATE = ("main", "exp_avg", "exp_avg_sq")
 
 
 def _piece_boxes(piece, lo: int, hi: int):
