@@ -23,14 +23,12 @@ dropout multiplies by a noise tensor); op_shapes assumes CUDA's 1-byte bool mask
 """
 import json
 import math
-import os
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 
-from _rt_spawn import REPO, free_port
+from _rt_spawn import REPO, launch
 from eth.cli import run_main
 from eth.model import ACT_BYTES, ALL_OPS, get_model, op_shapes
 from eth.profiles import ProfileDB, collective_ms, load_profile, save_profile
@@ -223,23 +221,12 @@ def test_merge_keeps_other_shapes(tmp_path, capsys):
 
 def test_collectives_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "cpu.json"
-    port = free_port()
-    args = [sys.executable, str(REPO / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type",
-            "cpu", "--mbs", "1", "--tp", "1", "--collectives", "--collective-sizes", "1024,65536",
-            "-o", str(out), *FAST]
-    procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-             for r in range(2)]
-    try:
-        results = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (o, e) in zip(procs, results):
-        assert p.returncode == 0, e
-    assert "wrote" in results[0][0] and "wrote" not in results[1][0]  # rank 0 writes
+    args = ["--model", "tiny", "--device-type", "cpu", "--mbs", "1", "--tp", "1", "--collectives",
+            "--collective-sizes", "1024,65536", "-o", str(out), *FAST]
+    results = launch(2, args, script=REPO / "tools" / "profile_ops.py")
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    assert "wrote" in results[0].stdout and "wrote" not in results[1].stdout  # rank 0 writes
     prof = load_profile(out)
     colls = prof.data["collectives"]
     assert set(colls) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
