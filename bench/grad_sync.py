@@ -238,6 +238,7 @@ def run_plan(name, plan, steps, repeats) -> None:
 
 
 def main(argv=None) -> int:
+    """Bad input (a missing or invalid plan file): one ``error:`` line, exit 2 (run_main)."""
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return 0
@@ -257,4 +258,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from eth.cli import run_main
+
+    sys.exit(main() if sys.argv[1:2] == ["--worker"] else run_main(main))

@@ -150,12 +150,17 @@ def _iter_dir(root: Path, iteration: int) -> Path:
 
 
 def latest(root) -> Path | None:
-    """The last complete checkpoint under ``root`` (None if there is none)."""
-    marker = Path(root) / "latest"
-    if not marker.is_file():
-        return None
-    path = Path(root) / marker.read_text().strip()
-    return path if (path / "common.json").is_file() else None
+    """The last complete checkpoint under ``root`` (None if there is none): the one
+    ``latest`` names, or, if that file is missing or names a folder that is gone (a save
+    of the same iteration killed between replacing the folder and the marker), the
+    highest-numbered complete ``iter_*`` folder."""
+    root, marker = Path(root), Path(root) / "latest"
+    if marker.is_file():
+        path = root / marker.read_text().strip()
+        if (path / "common.json").is_file():
+            return path
+    done = sorted(p for p in root.glob("iter_*") if p.suffix != ".tmp" and (p / "common.json").is_file())
+    return done[-1] if done else None
 
 
 def check_loadable(root, model) -> dict | None:
@@ -189,8 +194,10 @@ def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
     boxes = _boxes(reducer, ranges, starts, flats)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=_BoxSavePlanner(boxes))
     torch.save(_rng_state(), tmp / f"rng.rank{rank}.pt")
+    step = torch.tensor(float(_adam_step(optimizer)))
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)   # a rank with an empty shard has no state
     if rank == 0:
-        step = _adam_step(optimizer)
+        step = int(step)
         scaler = trainer.scaler
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "adam_step": step,
                   "model": trainer.plan.model.to_dict(), "training": trainer.setup.to_dict(),

@@ -61,6 +61,11 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
     with pytest.raises(SpecError, match="another model shape .* hidden 32 != 64"):
         check_loadable(tmp_path, model)
     assert check_loadable(tmp_path / "none", model) is None
+    # a stale marker (its folder replaced by a killed re-save): the newest complete folder
+    (tmp_path / "latest").write_text("iter_0000008\n")
+    (tmp_path / "iter_0000008.tmp").mkdir()
+    with pytest.raises(SpecError, match="iter_0000004 is of another model shape"):
+        check_loadable(tmp_path, model)
 
 
 def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path):
