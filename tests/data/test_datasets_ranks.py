@@ -4,35 +4,31 @@ that the ranks do not share ends every rank with the same one-line error."""
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from _rt_spawn import rendezvous  # noqa: E402  (the runtime tests' race-free rendezvous)
+
 PROBE = Path(__file__).with_name("_ranks_probe.py")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(caches):
-    port, procs = _port(), []
-    for rank, cache in enumerate(caches):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(caches)), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   XDG_CACHE_HOME=str(cache))
-        procs.append(subprocess.Popen([sys.executable, str(PROBE)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    try:
-        return [(p.wait(timeout=180), p.stdout.read(), p.stderr.read()) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    with rendezvous() as meet:
+        procs = []
+        for rank, cache in enumerate(caches):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(caches)), OMP_NUM_THREADS="1",
+                       PYTHONWARNINGS="ignore", XDG_CACHE_HOME=str(cache), **meet)
+            procs.append(subprocess.Popen([sys.executable, str(PROBE)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        try:
+            return [(p.wait(timeout=180), p.stdout.read(), p.stderr.read()) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
 
 
 def _expected(tmp_path, monkeypatch) -> str:

@@ -2,9 +2,6 @@
 node-major order (pure), against brute force over small host assignments, and once
 under two gloo ranks."""
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -85,18 +82,15 @@ def test_against_brute_force_on_every_small_assignment():
 
 
 def test_check_launch_on_two_gloo_ranks(tmp_path):
-    from _rt_spawn import free_port
+    from _rt_spawn import launch
 
-    code = ("import torch.distributed as dist; from eth.cluster import Cluster; "
-            "from megatron.hpp.launch import check_launch; dist.init_process_group('gloo'); "
-            "c = Cluster.from_dict({'name': 'c', 'inter_node_gbps': 1, 'nodes': ["
-            "{'type': 'cpu', 'devices_per_node': 1, 'count': 2}]}); check_launch(c); print('ok'); dist.destroy_process_group()")
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert all(o.strip() == "ok" for o, _ in outs)
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import torch.distributed as dist; from eth.cluster import Cluster; "
+        "from megatron.hpp.launch import check_launch; dist.init_process_group('gloo'); "
+        "c = Cluster.from_dict({'name': 'c', 'inter_node_gbps': 1, 'nodes': ["
+        "{'type': 'cpu', 'devices_per_node': 1, 'count': 2}]}); check_launch(c); print('ok'); "
+        "dist.destroy_process_group()\n")
+    results = launch(2, [], timeout=120, script=script)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert all(r.stdout.strip() == "ok" for r in results)

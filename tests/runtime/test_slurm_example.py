@@ -12,9 +12,9 @@ from megatron.hpp.launch import main as launch_main
 PLAN = "examples/plans/cpu-demo.json"
 
 
-def test_node_sh_trains_a_plan_over_two_nodes(tmp_path):
+def _two_nodes(tmp_path, port: int):
     env = dict(os.environ, PLAN=PLAN, HPP_HOSTS="nodeA,nodeB", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               MASTER_PORT=str(port), PYTHON=sys.executable, OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen(["bash", str(REPO / "examples" / "slurm" / "node.sh"), "--train-iters", "2"],
                               env=dict(env, HPP_HOST=host), cwd=tmp_path, stdout=subprocess.PIPE,
@@ -24,6 +24,16 @@ def test_node_sh_trains_a_plan_over_two_nodes(tmp_path):
     finally:
         for p in procs:
             p.kill()
+    return procs, outs
+
+
+def test_node_sh_trains_a_plan_over_two_nodes(tmp_path):
+    # torchrun's static rendezvous binds MASTER_PORT itself, so the port cannot be held for
+    # it; when another process took the port in between, try again on a new one.
+    for _ in range(3):
+        procs, outs = _two_nodes(tmp_path, free_port())
+        if not any("address already in use" in err.lower() for _, err in outs):
+            break
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     log = outs[1][0]  # node 0 holds rank 0, which logs
     assert "with 2 pipeline(s) on 4 ranks" in log
