@@ -43,6 +43,9 @@ def parse_args(argv=None):
     d.add_argument("--split", default=DEFAULT_SPLIT, help="train,valid,test shares of each dataset's documents")
     d.add_argument("--data-cache-path", default=None,
                    help="index cache folder, shared by all nodes (default ~/.cache/hpp-eth/datasets)")
+    d.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every this many iterations and after the last (default: none)")
+    d.add_argument("--eval-iters", type=int, default=10, help="validation global batches per evaluation")
     f = p.add_argument_group("failures")
     f.add_argument("--max-nan-iters", type=int, default=3,
                    help="stop (exit 1) after this many consecutive iterations with a NaN/Inf loss or "
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
                           tensorboard_dir=args.tensorboard_dir,
                           grad_sync=args.grad_sync, bucket_numel=args.ddp_bucket_size,
                           precision=args.precision, zero_stage=args.zero_stage,
-                          grad_reduce=args.grad_reduce, initial_loss_scale=args.initial_loss_scale)
+                          grad_reduce=args.grad_reduce, initial_loss_scale=args.initial_loss_scale,
+                          eval_interval=args.eval_interval, eval_iters=args.eval_iters)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -95,6 +95,11 @@ class TrainConfig:
     initial_loss_scale: float = 2.0 ** 16
     """fp16: the dynamic loss scale to start from (halved after 2 overflowing steps in a
     row, each of them skipped; doubled after 1000 clean steps)."""
+    eval_interval: int | None = None
+    """Validation loss every this many iterations and after the last (``evaluation.py``);
+    None: no evaluation."""
+    eval_iters: int = 10
+    """Validation global batches per evaluation."""
 
     def __post_init__(self):
         if self.train_iters <= 0:
@@ -128,10 +133,12 @@ class TrainConfig:
             raise SpecError(f"--initial-loss-scale must be a finite number >= 1, got {self.initial_loss_scale}")
         if self.bucket_numel < 0:
             raise SpecError(f"--ddp-bucket-size must be >= 0, got {self.bucket_numel}")
-        for name in ("save_interval", "exit_interval"):
+        for name in ("save_interval", "exit_interval", "eval_interval"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SpecError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.eval_iters <= 0 and self.eval_interval is not None:
+            raise SpecError(f"--eval-iters must be positive with --eval-interval, got {self.eval_iters}")
         if self.save_interval is not None and self.save is None:
             raise SpecError(f"--save-interval {self.save_interval} needs --save DIR")
 
@@ -284,25 +291,35 @@ class Trainer:
         self.optimizer = ShardedAdamW(self.model, topo, self.reducer, setup, cfg.lr, cfg.weight_decay,
                                       cfg.seed)
         self.scaler = make_grad_scaler(setup.precision, cfg.initial_loss_scale)
+        from megatron.hpp.evaluation import valid_batches_needed
+
         data = cfg.data_config(self.plan)
+        valid_iters = valid_batches_needed(cfg.train_iters, cfg.eval_interval, cfg.eval_iters)
         if data is not None:   # collective: rank 0 builds the index cache, the others wait
             from megatron.hpp.datasets import build_sources
 
-            self.source = build_sources(data, self.plan.gbs, cfg.train_iters, progress=rank == 0).train
-        else:
+            sources = build_sources(data, self.plan.gbs, cfg.train_iters, valid_iters, progress=rank == 0)
+            self.source, self.valid_source = sources.train, sources.valid
+            if valid_iters and self.valid_source is None:
+                raise SpecError(f"--eval-interval {cfg.eval_interval}: --split {cfg.split} leaves no "
+                                f"validation documents (give the second share a weight, e.g. 98,2,0)")
+        else:   # synthetic: validation sequences from another seed
             self.source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed)
+            self.valid_source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed + 1)
         self.peak_memory = lambda: peak_memory_bytes(backend.device)
         self.comm = StageComm(topo, (spec.seq_len, spec.hidden), dtype, backend.device)
         self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
         self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
         dist.barrier()  # start the first step together, so its logged time means something
 
-    def _batch(self, iteration: int, mb: int):
+    def batch(self, source, iteration: int, mb: int):
+        """(inputs, labels) of this rank's dp slice of micro-batch ``mb`` of global batch
+        ``iteration`` of ``source``."""
         from megatron.hpp.data import batch, sample_range
 
         topo = self.topo
         start, end = sample_range(self.plan, topo.pipeline, mb, topo.stage.dp, topo.dp_rank)
-        tokens = batch(self.source, iteration, start, end).to(self.backend.device)
+        tokens = batch(source, iteration, start, end).to(self.backend.device)
         return tokens[:, :-1], tokens[:, 1:]
 
     def step(self, iteration: int) -> StepResult:
@@ -319,7 +336,7 @@ class Trainer:
         self.reducer.start_step()
         scale = float(self.scaler.scale) if self.scaler is not None else 1.0
         clock = ComputeClock(self.speed, cuda_events=not backend.is_cpu)  # CUDA: events, no syncs
-        loss = one_f_one_b(self.model, topo, self.comm, lambda mb: self._batch(iteration, mb),
+        loss = one_f_one_b(self.model, topo, self.comm, lambda mb: self.batch(self.source, iteration, mb),
                            scale / self.plan.gbs, clock, self.reducer.final_backward)
         self.reducer.finish()
         grad_norm = global_grad_norm(self.reducer, backend.device) / scale
@@ -375,6 +392,7 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
     ``failures.TrainingStopped`` (NaN/Inf) and ``failures.CommFailure`` (a rank died or
     is stuck)."""
     from megatron.hpp import checkpoint
+    from megatron.hpp.evaluation import eval_due, eval_line, evaluate
     from megatron.hpp.failures import NanGuard, TrainingStopped, during
     from megatron.hpp.grad_sync import gather_parameters
 
@@ -385,7 +403,7 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
     if cfg.load is not None and checkpoint.latest(cfg.load) is not None:
         with during("checkpoint loading", timeout):
             start = saved = checkpoint.load(cfg.load, trainer)["iteration"]
-    logger, guard, losses = trainer.metrics_logger(rank), NanGuard(cfg.max_nan_iters), []
+    logger, guard, losses, valid = trainer.metrics_logger(rank), NanGuard(cfg.max_nan_iters), [], {}
     if rank == 0:
         print(trainer.setup_line(), flush=True)
         if cfg.load is not None:
@@ -409,6 +427,11 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
             if stop:
                 raise TrainingStopped(stop)
             done = it + 1
+            if eval_due(done, cfg.train_iters, cfg.eval_interval, cfg.eval_iters):
+                with during(f"evaluation after iteration {done}", timeout):
+                    valid[done] = evaluate(trainer, done)
+                if rank == 0:
+                    print(eval_line(done, valid[done], cfg.eval_iters), flush=True)
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0:
                 save(done)
                 saved = done
@@ -422,7 +445,7 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
         with during("--save-params", timeout):
             params = gather_parameters(trainer.model, trainer.topo)
         if rank == 0:
-            _save(cfg.save_params, {"params": params, "losses": losses,
+            _save(cfg.save_params, {"params": params, "losses": losses, "valid": valid,
                                     "plan_hash": layout.plan.content_hash()})
     return losses
 

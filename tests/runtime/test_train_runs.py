@@ -2,7 +2,8 @@
 
 * ``--data-path`` (the shipped corpus) on a 4-rank plan with uneven lbs and a dp 2
   stage trains exactly the samples of megatron-core's GPTDataset: losses and final
-  parameters equal a single-process reference fed by the same dataset; the same run's
+  parameters equal a single-process reference fed by the same dataset, and so does the
+  validation loss (``--eval-interval``) on the validation split; the same run's
   rank-0 log carries every interval field, and the plan's (far too small) predicted
   iteration time gives one stale-profile warning;
 * one process without torchrun (no RANK/WORLD_SIZE/MASTER_*) on a 1-rank plan starts,
@@ -28,6 +29,7 @@ import _rt_plans as plans
 import _rt_reference
 from _rt_spawn import REPO, launch, rendezvous
 from eth.plan import PipelinePlan
+from megatron.hpp.data import SyntheticData, batch
 from megatron.hpp.datasets import DataConfig, build_sources, shipped_corpus
 
 ITERS = 3
@@ -48,21 +50,34 @@ def test_corpus_run_matches_reference_and_logs(tmp_path, monkeypatch):
     out = tmp_path / "params.pt"
     results = launch(plan.world_size, ["--hpp-plan", str(tmp_path / "plan.json"), "--train-iters", str(ITERS),
                                        "--log-interval", "2", "--data-path", shipped_corpus(),
-                                       "--save-params", str(out), "--tensorboard-dir", str(tmp_path / "tb")],
+                                       "--save-params", str(out), "--tensorboard-dir", str(tmp_path / "tb"),
+                                       "--eval-interval", "2", "--eval-iters", "2"],
                      extra_env={"XDG_CACHE_HOME": str(tmp_path / "xdg")})
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}:\n{r.stderr[-3000:]}"
     # the reference reads the same dataset (built here without a process group)
-    source = build_sources(DataConfig((shipped_corpus(),), plan.model.seq_len, plan.model.vocab, 1234),
-                           plan.gbs, ITERS, progress=False).train
+    sources = build_sources(DataConfig((shipped_corpus(),), plan.model.seq_len, plan.model.vocab, 1234),
+                            plan.gbs, ITERS, valid_iters=4, progress=False)
+    source = sources.train
     monkeypatch.setattr(_rt_reference, "SyntheticData", lambda vocab, seq_len, seed: source)
     ref_losses, ref_params = _rt_reference.train_reference(plan.model, plan.gbs, ITERS)
     saved = torch.load(out)
     assert saved["losses"] == pytest.approx(ref_losses, abs=TOL), (saved["losses"], ref_losses)
     worst = max((saved["params"][k] - ref_params[k]).abs().max().item() for k in ref_params)
     assert worst < TOL, f"largest parameter difference {worst:.3g}"
+    # validation after iterations 2 and 3 (the last): valid batches 0-1 and 2-3; the final
+    # one equals the reference's forward loss on the same batches with its final weights
+    assert sorted(saved["valid"]) == [2, 3]
+    with torch.no_grad():
+        ref_valid = sum(_rt_reference.forward_loss(plan.model, ref_params, batch(sources.valid, it, 0, plan.gbs))
+                        for it in (2, 3)).item() / 2
+    assert saved["valid"][3] == pytest.approx(ref_valid, abs=TOL)
+    assert saved["valid"][2] != pytest.approx(saved["valid"][3], abs=1e-3)   # other batches, other weights
+    valid_lines = [line for line in results[0].stdout.splitlines() if line.startswith("validation")]
+    assert [line.split(" |")[0] for line in valid_lines] == ["validation loss at iteration 2",
+                                                             "validation loss at iteration 3"]
+    assert float(_field(valid_lines[1], "lm loss")) == pytest.approx(ref_valid, abs=1e-5)
     # text, not the synthetic arithmetic sequences (which would give other losses)
-    from megatron.hpp.data import SyntheticData, batch
     assert not batch(source, 0, 0, plan.gbs).equal(batch(SyntheticData(256, 32, 1234), 0, 0, plan.gbs))
 
     log = [line for line in results[0].stdout.splitlines() if line.startswith("iteration")]
