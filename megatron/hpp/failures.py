@@ -11,7 +11,9 @@ Exit codes of ``pretrain_gpt.py`` (``training.run``):
 
 *NaN/Inf.*  ``StepResult.nonfinite`` marks an iteration whose loss or gradient norm is
 not finite, other than an fp16 overflow that the dynamic loss scaler handles
-(``StepResult.skipped``: the gradients overflowed but the loss is finite).  Such an
+(``StepResult.skipped``: the gradients overflowed but the loss is finite) -- unless the
+scale is already at its minimum, where backing off cannot help and the overflow is the
+model's (:func:`step_nonfinite`); otherwise such a run would skip every step forever.  Such an
 iteration never updates the weights (the trainer skips the optimizer step).  Every rank
 sees the same global loss and norm, so every rank's :class:`NanGuard` stops at the same
 iteration, without a collective; rank 0 prints the message.
@@ -76,6 +78,18 @@ def during(phase: str, timeout_minutes: float):
         raise CommFailure(f"communication failed during {phase}: {short_reason(exc)} -- another rank "
                           f"died or is stuck (--distributed-timeout-minutes {timeout_minutes:g}); "
                           f"every rank stops") from exc
+
+
+def step_nonfinite(loss: float, grads_finite: bool, loss_scale: float | None,
+                   min_scale: float | None) -> bool:
+    """Whether an iteration counts as NaN/Inf for :class:`NanGuard`: a non-finite loss,
+    or non-finite gradients that no loss scaler handles (``loss_scale`` None: bf16/fp32)
+    or that overflowed at the scaler's minimum scale."""
+    if not math.isfinite(loss):
+        return True
+    if grads_finite:
+        return False
+    return loss_scale is None or loss_scale <= min_scale
 
 
 class NanGuard:

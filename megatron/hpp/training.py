@@ -327,6 +327,7 @@ class Trainer:
         import torch.distributed as dist
 
         from megatron.hpp import compat
+        from megatron.hpp.failures import step_nonfinite
         from megatron.hpp.grad_sync import clip_coefficient, global_grad_norm
         from megatron.hpp.schedule import ComputeClock, one_f_one_b
 
@@ -356,7 +357,8 @@ class Trainer:
         dist.all_reduce(summed)                      # loss: sum over last-stage replicas
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # compute, memory: largest rank of each pipeline
         loss_value = float(summed[0])
-        nonfinite = not math.isfinite(loss_value) or (not finite and self.scaler is None)
+        min_scale = float(self.scaler.min_scale) if self.scaler is not None else None
+        nonfinite = step_nonfinite(loss_value, finite, scale if self.scaler is not None else None, min_scale)
         return StepResult(loss_value, grad_norm, stats[1:1 + num_pipes].tolist(), time.perf_counter() - t0,
                           skipped, scale, nonfinite, stats[1 + num_pipes:].tolist())
 

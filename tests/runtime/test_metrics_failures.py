@@ -9,7 +9,8 @@ import _rt_plans as plans
 import pretrain_gpt
 from eth.model import get_model
 from eth.plan import PipelinePlan
-from megatron.hpp.failures import CommFailure, NanGuard, TrainingStopped, during, is_comm_error, short_reason
+from megatron.hpp.failures import (CommFailure, NanGuard, TrainingStopped, during, is_comm_error, short_reason,
+                                   step_nonfinite)
 from megatron.hpp.metrics import MetricsLogger, model_flops_per_sample
 from megatron.hpp.training import StepResult
 
@@ -141,6 +142,20 @@ GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc
               "an error. GLHF!")
 GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                 "waiting 6000ms for recv operation to complete")
+
+
+def test_what_counts_as_nan():
+    nan, inf = float("nan"), float("inf")
+    assert step_nonfinite(nan, True, None, None) and step_nonfinite(inf, True, 1024.0, 1.0)
+    assert not step_nonfinite(2.5, True, None, None)
+    assert step_nonfinite(2.5, False, None, None)            # bf16/fp32: no scaler to blame
+    assert not step_nonfinite(2.5, False, 1024.0, 1.0)       # fp16: the scaler backs off and skips
+    assert step_nonfinite(2.5, False, 1.0, 1.0)              # ... but not below its minimum scale
+    guard = NanGuard(2)
+    scales = [8.0, 4.0, 2.0, 1.0, 1.0]                        # overflows that end at the minimum
+    stops = [guard.update(i, _result(loss=2.5, norm=inf, nonfinite=step_nonfinite(2.5, False, s, 1.0)))
+             for i, s in enumerate(scales)]
+    assert stops[:4] == [None] * 4 and stops[4].startswith("training diverged: grad norm inf in 2 ")
 
 
 def test_communication_errors_become_one_line():
