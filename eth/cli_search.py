@@ -25,8 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     p.add_argument("--strategy", default="hpp", choices=STRATEGIES,
-                   help="hpp, or a baseline in the same cost model (Megatron uniform, Metis-style, "
-                        "HexiScale-style, TypeSplit-HPP)")
+                   help="hpp, or a baseline in the same cost model: uniform (Megatron), metis and "
+                        "hexiscale (as published), metis-strong and hexiscale-strong (on HPP's balancer, "
+                        "mbs search and recompute; the seeds of hpp), typesplit (TypeSplit-HPP)")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds, 0 = none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=1.5, help="approximate-bound tolerance factor")
@@ -35,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-order", action="store_true", help="disable variance ordering (Eq. 9)")
     p.add_argument("--no-dp", action="store_true", help="disable dynamic programming (Eq. 10)")
     p.add_argument("--no-seeds", action="store_true",
-                   help="do not also evaluate the metis/hexiscale/uniform planners' plans")
+                   help="do not also evaluate the metis-strong/hexiscale-strong/uniform planners' plans")
     p.add_argument("--allow-overshoot", action="store_true",
                    help="accept sum(lbs) > gbs when no exact split exists")
     p.add_argument("--max-blocks-per-type", type=int, default=8)

@@ -6,9 +6,10 @@ from dataclasses import asdict, dataclass
 from eth.errors import SpecError
 from eth.precision import TrainSetup
 
-STRATEGIES = ("hpp", "uniform", "metis", "hexiscale", "typesplit")
-"""Search strategies known to :func:`eth.planner.search.search`.  Baselines (Megatron
-uniform, Metis-style, HexiScale-style, TypeSplit-HPP) will register here."""
+STRATEGIES = ("hpp", "uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong", "typesplit")
+"""Search strategies known to :func:`eth.planner.search.search`: hpp and the baselines of
+eth.planner.baselines (Megatron uniform, Metis and HexiScale as published and their
+``-strong`` versions on HPP's machinery, TypeSplit-HPP)."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class SearchOptions:
     """Global batch size (samples per iteration)."""
     strategy: str = "hpp"
     """Search strategy: "hpp", or a baseline of eth.planner.baselines (uniform, metis,
-    hexiscale, typesplit) in the same cost model."""
+    metis-strong, hexiscale, hexiscale-strong, typesplit) in the same cost model."""
     cache: bool = True
     """Section 5.1: reuse a pipeline's optimised configuration keyed by its device
     multiset (and batch) across device groups."""
@@ -57,7 +58,7 @@ class SearchOptions:
     """Phase 3 (refinement with Lbs) runs for device groups whose phase-2 iteration time
     is within this fraction of the best found so far."""
     seeds: bool = True
-    """Also plan with the cheap structured planners (Metis-style, HexiScale-style,
+    """Also plan with the cheap structured planners (metis-strong, hexiscale-strong,
     Megatron uniform; eth.planner.baselines), whose plans lie in HPP's configuration
     space, and return the fastest plan by Eq. 5 (plan.search["seed_won"] names a winning
     seed).  The enumeration restricts stage sizes and layouts, so the search itself does

@@ -443,7 +443,9 @@ class HPPSearch:
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
 
 
-SEED_STRATEGIES = ("metis", "hexiscale", "uniform")
+SEED_STRATEGIES = ("metis-strong", "hexiscale-strong", "uniform")
+"""The planners whose plans seed the HPP search (the strong baselines: their plans lie in
+HPP's space; the faithful Metis may use mixed-type stages, which the plan format lacks)."""
 
 
 def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:

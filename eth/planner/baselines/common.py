@@ -18,8 +18,10 @@ from eth.precision import TrainSetup
 from eth.planner.evaluate import Evaluator, PipeState, StageState
 from eth.planner.progress import Clock, progress_bar  # noqa: F401  (re-exported to the baselines)
 
-BASELINES = ("uniform", "metis", "hexiscale", "typesplit")
-"""Baseline strategies implemented by :func:`eth.planner.baselines.plan_baseline`."""
+BASELINES = ("uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong", "typesplit")
+"""Baseline strategies implemented by :func:`eth.planner.baselines.plan_baseline`:
+``metis`` / ``hexiscale`` are the faithful versions of those systems, ``*-strong`` the
+versions that reuse HPP's balancer, Mbs search and recompute choices."""
 
 
 RECOMPUTE_MODES = (
@@ -47,12 +49,18 @@ class BaselineOptions:
     """Cost evaluations of the HPP stage balancer per stage device group (metis,
     typesplit), scaled by the adaptive rule of section 6."""
     max_micro: int = 64
-    """uniform / hexiscale: largest per-replica micro-batch (mbs / dp) tried."""
+    """uniform / hexiscale-strong: largest per-replica micro-batch (mbs / dp) tried;
+    metis: largest micro-batch of the pipeline tried."""
+    fixed_mbs: int = 4
+    """hexiscale (faithful): its one fixed micro-batch size (4, as in the paper's Table 3
+    HexiScale plan); lowered to the largest power of two dividing Lbs when Lbs is smaller
+    or not a multiple of it."""
     recompute: str = "stage"
-    """metis / hexiscale: "stage" = per stage the cheapest of RECOMPUTE_MODES that fits
+    """metis-strong / hexiscale-strong: "stage" = per stage the cheapest of RECOMPUTE_MODES that fits
     (Megatron granularity, what those systems offer); "op" = the HPP rule (op-level
     recompute per stage, eth.planner.evaluate.Evaluator.fit_stage), for ablations.
-    uniform always uses one mode for all stages; typesplit always uses the HPP rule."""
+    uniform always uses one mode for all stages; typesplit always uses the HPP rule;
+    metis never recomputes; hexiscale recomputes every op of every layer or nothing."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
     setup: TrainSetup = TrainSetup()
@@ -63,7 +71,7 @@ class BaselineOptions:
             raise SpecError(f"recompute must be 'stage' or 'op', got {self.recompute!r}")
         if self.time_limit < 0:
             raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
-        for name in ("max_stages", "max_blocks_per_type", "balance_budget", "max_micro"):
+        for name in ("max_stages", "max_blocks_per_type", "balance_budget", "max_micro", "fixed_mbs"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -169,3 +177,21 @@ def finish(strategy: str, best: Best, cost: CostModel, clock: Clock, options: Ba
                    "options": asdict(options), "candidates": {"evaluated": best.evaluated},
                    "time_limited": clock.hit, **extra}
     return plan.validate()
+
+
+def proportional_split(total: int, weights) -> list[int]:
+    """``total`` items split in proportion to ``weights`` (largest remainder), each part
+    at least 1 (needs total >= len(weights)); a weight of 0 gets 1."""
+    n = len(weights)
+    if total < n:
+        raise SpecError(f"cannot split {total} layers into {n} parts of at least 1")
+    wsum = sum(weights)
+    ideal = [total * w / wsum if wsum > 0 else total / n for w in weights]
+    parts = [max(1, math.floor(x)) for x in ideal]
+    while sum(parts) < total:
+        j = max(range(n), key=lambda i: (ideal[i] - parts[i], -i))
+        parts[j] += 1
+    while sum(parts) > total:
+        j = min((i for i in range(n) if parts[i] > 1), key=lambda i: (ideal[i] - parts[i], i))
+        parts[j] -= 1
+    return parts

@@ -1,111 +1,89 @@
-"""HexiScale-style baseline: k IDENTICAL pipelines, DP = 1 inside every stage.
+"""Faithful HexiScale baseline (``hexiscale``; Yan et al., "HexiScale: Accommodating
+Large Language Model Training over Heterogeneous Environment", 2024).
 
-HexiScale searches several pipelines but (paper section 2.2 and appendix A) all of them
-are identical -- the same device-type composition and the same stage layout -- every
-stage is pure tensor parallel (tp = its devices, dp = 1) and the stages are balanced by
-their layer counts only; the global batch is split evenly (Lbs = Gbs / k).
+What the published system does, as modelled here (in the same cost model, profiles and
+plan format as HPP):
 
-Search (:func:`plan_hexiscale`): for every k that divides every type count and Gbs,
-each pipeline gets count_t / k devices of each type; for every stage device group of
-that pipeline (:func:`eth.planner.enumerate.stage_groups`) whose stage sizes are valid
-tp degrees, :func:`balance_layers` minimises the pipeline's Eq. 5 end time
+* k IDENTICAL pipelines (same device-type composition and stage layout); the global
+  batch is split evenly, Lbs = Gbs / k (k divides every type count and Gbs);
+* every stage is pure tensor parallel: tp = its devices, dp = 1 (stage sizes must be
+  valid tp degrees: power of two, inside a node, splitting the model);
+* layers are split in proportion to each stage's memory (devices x device memory,
+  largest remainder, at least one layer per stage) -- not by time;
+* one fixed micro-batch size (``BaselineOptions.fixed_mbs``, default 4, the value of the
+  paper's Table 3 HexiScale plan), lowered to the largest power of two dividing Lbs when
+  Lbs is not a multiple of it;
+* one global recompute flag: no recompute if every stage fits, else every op of every
+  layer of every stage (full recompute); nothing in between.
 
-    max_j Te^j = sum_k Tf^k + max_k T^k (Lbs/Mbs - 1) + max_j (sum_{k>=j} Tb^k + AR^j),
-    AR^j = Eq. 6 over the k copies of stage j (N = k, the slowest link among them),
+Search (:func:`plan_hexiscale`): every k and every stage device group of one pipeline
+(:func:`eth.planner.enumerate.stage_groups`: device types in any order, the devices of
+a type cut into equal stages) gives exactly one plan under the rules above; each is
+scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6, memory) and the fastest
+feasible one wins.
 
-over the layer counts l_j (sum = L, >= 1) and Mbs (a power of two dividing Lbs, Mbs / 1
-<= max_micro) by steepest descent from a compute-proportional split: move one layer
-from one of the two bottleneck stages (memory overflow first, else largest T_j) to any
-other stage, or double / halve Mbs.  Recompute: per stage the cheapest of none /
-selective / full that fits (``BaselineOptions.recompute = "stage"``, default), or the
-HPP op-level rule ("op").  Each result becomes the k-pipeline
-plan scored by :meth:`eth.cost.CostModel.evaluate`; the fastest feasible plan wins.
+Where it departs from the published system: HexiScale's own search (a graph partition of
+the devices followed by a genetic search over the pipeline layout) and its own cost model
+are replaced by the enumeration above and by our cost model; its device groups are the
+type-contiguous ones of :func:`stage_groups`; the fixed micro-batch size is ours (the
+paper does not state one we could use beyond Table 3).  The strong version, which
+balances layers by time, searches Mbs and recomputes per stage, is
+:mod:`eth.planner.baselines.hexiscale_strong` (``hexiscale-strong``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
-from eth.cost import CostModel, eq5_end_times, eq6_allreduce_ms
-from eth.plan import Plan
-from eth.planner.balance import resplit
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish, make_evaluator,
-                                          pipeline_plan, powers_of_two, progress_bar)
+from eth.cost import CostModel
+from eth.model import LAYER_OPS
+from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
+                                          progress_bar, proportional_split)
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
-from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
+from eth.planner.evaluate import Evaluator
+
+RECOMPUTE_FLAG = (("off", ()), ("on", LAYER_OPS))
+"""HexiScale's global recompute flag: nothing, or every op of every layer."""
 
 
-def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int) -> tuple[tuple, Evaluation]:
-    """((overflow, Eq. 5 end time of the pipeline), evaluation)."""
-    e = ev.evaluate(state, lbs, rep)
-    if not e.feasible:
-        return (e.overflow, math.inf), e
-    m = ev.model
-    ar = []
-    for j, (st, (a, b)) in enumerate(zip(state.stages, state.layer_ranges())):
-        params = (b - a) * m.params_per_layer()
-        if a == 0:
-            params += m.embedding_params()
-        if b == m.num_layers:
-            params += m.head_params()
-        ar.append(eq6_allreduce_ms(params / st.tp * ev.cost.grad_bytes, k, links[j]))
-    return (0.0, max(eq5_end_times(e.costs, lbs, state.mbs, ar))), e
+def fixed_micro(fixed: int, lbs: int) -> int:
+    """The fixed micro-batch size, lowered to the largest power of two <= it dividing lbs."""
+    m = 1
+    while m * 2 <= fixed and lbs % (m * 2) == 0:
+        m *= 2
+    return m
 
 
-def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep, links, k: int,
-                   mbs_options: list[int], clock: Clock) -> tuple[PipeState, Evaluation, float] | None:
-    """Layer balancing + Mbs for one stage group (see module docstring); None if infeasible."""
-    memo: dict = {}
+def memory_split(cluster, stages, num_layers: int) -> list[int]:
+    """Layers per stage in proportion to the stage's memory (devices x device memory)."""
+    return proportional_split(num_layers, [n * cluster.types[t].memory_bytes for t, n in stages])
 
-    def cost(s):
-        if s not in memo:
-            memo[s] = _score(ev, s, lbs, rep, links, k)
-        return memo[s]
 
-    starts = sorted({mbs_options[0], mbs_options[min(2, len(mbs_options) - 1)]})
-    best = None
-    for mbs in starts:
-        state = resplit(ev, PipeState(stages, mbs))
-        key, e = cost(state)
-        while not clock.out():
-            order = sorted(range(len(state.stages)),
-                           key=lambda j: (-(e.costs[j].memory_bytes > e.costs[j].capacity_bytes),
-                                          -e.costs[j].total_ms, j))
-            cands = []
-            for a in order[:2]:
-                if state.stages[a].layers > 1:
-                    for b in range(len(state.stages)):
-                        if b != a:
-                            new = list(state.stages)
-                            new[a] = replace(new[a], layers=new[a].layers - 1)
-                            new[b] = replace(new[b], layers=new[b].layers + 1)
-                            cands.append(PipeState(tuple(new), state.mbs))
-            i = mbs_options.index(state.mbs)
-            for nb in (i - 1, i + 1):
-                if 0 <= nb < len(mbs_options):
-                    cands.append(replace(state, mbs=mbs_options[nb]))
-            scored = [(cost(c), c) for c in cands]
-            if not scored:
-                break
-            (nkey, ne), nstate = min(scored, key=lambda x: x[0][0])
-            if nkey >= key or (nkey[0] == key[0] and nkey[1] >= key[1] * (1 - 1e-9)):
-                break
-            state, key, e = nstate, nkey, ne
-        if key[0] == 0 and (best is None or key[1] < best[2]):
-            best = (state, e, key[1])
-    return best
+def hexiscale_plan(model, cluster, blocks: Blocks, stages, k: int, gbs: int, mbs: int, ops) -> Plan:
+    """The k-pipeline plan of one stage group with memory-proportional layers."""
+    split = memory_split(cluster, stages, model.num_layers)
+    ranks = assign_ranks(blocks, [list(stages)] * k)
+    lbs = gbs // k
+    pipes = []
+    for rk in ranks:
+        out, start = [], 0
+        for (t, n), r, nl in zip(stages, rk, split):
+            out.append(StagePlan(list(r), t, n, 1, (start, start + nl), {op: nl for op in ops}))
+            start += nl
+        pipes.append(PipelinePlan(mbs, lbs, out))
+    return Plan(model, cluster, gbs, pipes)
 
 
 def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
     cost = CostModel(model, cluster, profiles, options.setup)
-    ev = make_evaluator(cost, options)
+    ev = Evaluator(cost)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
     counts = unit.count
     need = model.num_params() * cost.bytes_per_param
     ks = [k for k in divisors(math.gcd(*counts)) if gbs % k == 0]
     best = Best()
-    tried, too_small = 0, []
+    tried, too_small, recomputed = 0, [], 0
     bar = progress_bar(len(ks), options.progress, "hexiscale")
     try:
         for k in ks:
@@ -115,10 +93,8 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
             if mem < need:
                 too_small.append(k)
                 continue
-            if clock.out():
-                continue
             lbs = gbs // k
-            mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
+            mbs = fixed_micro(options.fixed_mbs, lbs)
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
             for g in stage_groups(unit.types, per, model.num_layers, options.max_stages):
                 if clock.out():
@@ -126,22 +102,19 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
                 if not all(n in ev.valid_tps(t, n) for t, n in g.stages):
                     continue
                 tried += 1
-                ranks = assign_ranks(blocks, [list(g.stages)] * k)
-                rep = tuple(tuple(r) for r in ranks[0])
-                links = [cluster.link_gbps([r for p in ranks for r in p[j]]) for j in range(g.num_stages)]
-                stages = tuple(StageState(t, n, n, 1) for t, n in g.stages)
-                got = balance_layers(ev, stages, lbs, rep, links, k, mbs_options, clock)
-                if got is None:
-                    continue
-                state, e, _ = got
-                pipes = [pipeline_plan(state, e.recompute, rk, lbs) for rk in ranks]
-                best.offer(cost, Plan(model, cluster, gbs, pipes))
+                for flag, ops in RECOMPUTE_FLAG:
+                    plan = hexiscale_plan(model, cluster, blocks, g.stages, k, gbs, mbs, ops)
+                    if best.offer(cost, plan) < math.inf:
+                        recomputed += flag == "on"
+                        break
     finally:
         bar.close()
     why = (f"tried {tried} stage groups over k in {ks} identical pipelines (k must divide the "
-           f"type counts {dict(zip(unit.types, counts))} and gbs {gbs}); none fits in memory "
-           f"with dp = 1 per stage (tp <= devices per node)")
+           f"type counts {dict(zip(unit.types, counts))} and gbs {gbs}) with memory-proportional "
+           f"layers and fixed mbs {options.fixed_mbs}; none fits in memory with dp = 1 per stage "
+           f"(tp <= devices per node), even with full recompute")
     if too_small:
         why += (f"; for k in {too_small} one pipeline's devices hold less than the model's "
                 f"{need / 1e9:.1f} GB of weights, gradients and optimizer states")
-    return finish("hexiscale", best, cost, clock, options, why, cost_evaluations=ev.evaluations)
+    return finish("hexiscale", best, cost, clock, options, why, variant="faithful",
+                  stage_groups=tried)

@@ -1,0 +1,155 @@
+"""Strong HexiScale-style baseline (``hexiscale-strong``): k IDENTICAL pipelines, DP = 1 per stage.
+
+This is a *strong* version of HexiScale: it keeps HexiScale's restrictions (identical
+pipelines, pure-tp stages, even batch split) but balances layers by time with a steepest
+descent, searches Mbs and chooses recompute per stage, which the real system does not.
+The faithful version is :mod:`eth.planner.baselines.hexiscale` (``hexiscale``).  Plans
+made before the two were split record ``"strategy": "hexiscale"`` and no ``"variant"``:
+they came from this planner.
+
+HexiScale searches several pipelines but (paper section 2.2 and appendix A) all of them
+are identical -- the same device-type composition and the same stage layout -- every
+stage is pure tensor parallel (tp = its devices, dp = 1) and the stages are balanced by
+their layer counts only; the global batch is split evenly (Lbs = Gbs / k).
+
+Search (:func:`plan_hexiscale_strong`): for every k that divides every type count and Gbs,
+each pipeline gets count_t / k devices of each type; for every stage device group of
+that pipeline (:func:`eth.planner.enumerate.stage_groups`) whose stage sizes are valid
+tp degrees, :func:`balance_layers` minimises the pipeline's Eq. 5 end time
+
+    max_j Te^j = sum_k Tf^k + max_k T^k (Lbs/Mbs - 1) + max_j (sum_{k>=j} Tb^k + AR^j),
+    AR^j = Eq. 6 over the k copies of stage j (N = k, the slowest link among them),
+
+over the layer counts l_j (sum = L, >= 1) and Mbs (a power of two dividing Lbs, Mbs / 1
+<= max_micro) by steepest descent from a compute-proportional split: move one layer
+from one of the two bottleneck stages (memory overflow first, else largest T_j) to any
+other stage, or double / halve Mbs.  Recompute: per stage the cheapest of none /
+selective / full that fits (``BaselineOptions.recompute = "stage"``, default), or the
+HPP op-level rule ("op").  Each result becomes the k-pipeline
+plan scored by :meth:`eth.cost.CostModel.evaluate`; the fastest feasible plan wins.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from eth.cost import CostModel, eq5_end_times, eq6_allreduce_ms
+from eth.plan import Plan
+from eth.planner.balance import resplit
+from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish, make_evaluator,
+                                          pipeline_plan, powers_of_two, progress_bar)
+from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
+from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
+
+
+def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int) -> tuple[tuple, Evaluation]:
+    """((overflow, Eq. 5 end time of the pipeline), evaluation)."""
+    e = ev.evaluate(state, lbs, rep)
+    if not e.feasible:
+        return (e.overflow, math.inf), e
+    m = ev.model
+    ar = []
+    for j, (st, (a, b)) in enumerate(zip(state.stages, state.layer_ranges())):
+        params = (b - a) * m.params_per_layer()
+        if a == 0:
+            params += m.embedding_params()
+        if b == m.num_layers:
+            params += m.head_params()
+        ar.append(eq6_allreduce_ms(params / st.tp * ev.cost.grad_bytes, k, links[j]))
+    return (0.0, max(eq5_end_times(e.costs, lbs, state.mbs, ar))), e
+
+
+def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep, links, k: int,
+                   mbs_options: list[int], clock: Clock) -> tuple[PipeState, Evaluation, float] | None:
+    """Layer balancing + Mbs for one stage group (see module docstring); None if infeasible."""
+    memo: dict = {}
+
+    def cost(s):
+        if s not in memo:
+            memo[s] = _score(ev, s, lbs, rep, links, k)
+        return memo[s]
+
+    starts = sorted({mbs_options[0], mbs_options[min(2, len(mbs_options) - 1)]})
+    best = None
+    for mbs in starts:
+        state = resplit(ev, PipeState(stages, mbs))
+        key, e = cost(state)
+        while not clock.out():
+            order = sorted(range(len(state.stages)),
+                           key=lambda j: (-(e.costs[j].memory_bytes > e.costs[j].capacity_bytes),
+                                          -e.costs[j].total_ms, j))
+            cands = []
+            for a in order[:2]:
+                if state.stages[a].layers > 1:
+                    for b in range(len(state.stages)):
+                        if b != a:
+                            new = list(state.stages)
+                            new[a] = replace(new[a], layers=new[a].layers - 1)
+                            new[b] = replace(new[b], layers=new[b].layers + 1)
+                            cands.append(PipeState(tuple(new), state.mbs))
+            i = mbs_options.index(state.mbs)
+            for nb in (i - 1, i + 1):
+                if 0 <= nb < len(mbs_options):
+                    cands.append(replace(state, mbs=mbs_options[nb]))
+            scored = [(cost(c), c) for c in cands]
+            if not scored:
+                break
+            (nkey, ne), nstate = min(scored, key=lambda x: x[0][0])
+            if nkey >= key or (nkey[0] == key[0] and nkey[1] >= key[1] * (1 - 1e-9)):
+                break
+            state, key, e = nstate, nkey, ne
+        if key[0] == 0 and (best is None or key[1] < best[2]):
+            best = (state, e, key[1])
+    return best
+
+
+def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
+    clock = Clock(options.time_limit)
+    cost = CostModel(model, cluster, profiles, options.setup)
+    ev = make_evaluator(cost, options)
+    unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
+    counts = unit.count
+    need = model.num_params() * cost.bytes_per_param
+    ks = [k for k in divisors(math.gcd(*counts)) if gbs % k == 0]
+    best = Best()
+    tried, too_small = 0, []
+    bar = progress_bar(len(ks), options.progress, "hexiscale-strong")
+    try:
+        for k in ks:
+            bar.update(1)
+            per = tuple(c // k for c in counts)
+            mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
+            if mem < need:
+                too_small.append(k)
+                continue
+            if clock.out():
+                continue
+            lbs = gbs // k
+            mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
+            blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
+            for g in stage_groups(unit.types, per, model.num_layers, options.max_stages):
+                if clock.out():
+                    break
+                if not all(n in ev.valid_tps(t, n) for t, n in g.stages):
+                    continue
+                tried += 1
+                ranks = assign_ranks(blocks, [list(g.stages)] * k)
+                rep = tuple(tuple(r) for r in ranks[0])
+                links = [cluster.link_gbps([r for p in ranks for r in p[j]]) for j in range(g.num_stages)]
+                stages = tuple(StageState(t, n, n, 1) for t, n in g.stages)
+                got = balance_layers(ev, stages, lbs, rep, links, k, mbs_options, clock)
+                if got is None:
+                    continue
+                state, e, _ = got
+                pipes = [pipeline_plan(state, e.recompute, rk, lbs) for rk in ranks]
+                best.offer(cost, Plan(model, cluster, gbs, pipes))
+    finally:
+        bar.close()
+    why = (f"tried {tried} stage groups over k in {ks} identical pipelines (k must divide the "
+           f"type counts {dict(zip(unit.types, counts))} and gbs {gbs}); none fits in memory "
+           f"with dp = 1 per stage (tp <= devices per node)")
+    if too_small:
+        why += (f"; for k in {too_small} one pipeline's devices hold less than the model's "
+                f"{need / 1e9:.1f} GB of weights, gradients and optimizer states")
+    return finish("hexiscale-strong", best, cost, clock, options, why, cost_evaluations=ev.evaluations,
+                  variant="strong")

@@ -1,0 +1,65 @@
+"""Strong Metis-style baseline (``metis-strong``): ONE pipeline over all devices, HPP machinery.
+
+This is a *strong* version of Metis: it keeps Metis's restriction (one pipeline, Lbs =
+Gbs, no data balancing) but gets HPP's stage balancer, Mbs search and recompute, which
+the real system lacks.  The faithful version is :mod:`eth.planner.baselines.metis`
+(``metis``).  Plans made before the two were split record ``"strategy": "metis"`` and
+no ``"variant"``: they came from this planner.
+
+Metis balances the stages of a single pipeline with per-stage tp/dp and uneven layer
+counts; it cannot balance with data (one pipeline, Lbs = Gbs).  This is exactly the
+HPP phase-1 problem for the pipeline that holds every device (Eq. 1 with B = Gbs):
+
+    min over {stage device group, tp_j, dp_j, l_j, ro_j, Mbs}
+        sum_j T_j + max_j T_j (Gbs / Mbs - 1)      (+ the stages' own All-Reduce)
+
+so it reuses the HPP machinery restricted to that pipeline: every stage device group
+of the whole cluster (:func:`eth.planner.enumerate.stage_groups`), the warm start
+(:func:`eth.planner.balance.initial_state`) and the Aceso-style stage balancer
+(:func:`eth.planner.balance.balance`: layer moves, tp <-> dp, mbs) with the adaptive
+budgets of section 6.  Recompute: by default per stage the cheapest of none / selective /
+full that fits (``BaselineOptions.recompute = "stage"``, Megatron granularity; op-level
+stage-specific recompute is one of ETH's own contributions, section 4.2.3); "op" gives
+Metis the HPP rule.  Each balanced group becomes a plan scored by
+:meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6); the fastest feasible one wins.
+"""
+from __future__ import annotations
+
+from eth.cost import CostModel
+from eth.plan import Plan
+from eth.planner.balance import balance, initial_state
+from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, make_evaluator,
+                                          pipeline_plan, progress_bar)
+from eth.planner.enumerate import assign_ranks, make_blocks, stage_groups
+from eth.planner.pipeline import adaptive_budgets
+
+
+def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
+    clock = Clock(options.time_limit)
+    cost = CostModel(model, cluster, profiles, options.setup)
+    ev = make_evaluator(cost, options)
+    blocks = make_blocks(cluster, options.max_blocks_per_type)
+    vec = blocks.count
+    groups = stage_groups(blocks.types, blocks.devices(vec), model.num_layers, options.max_stages)
+    budgets = adaptive_budgets(cluster, groups, options.balance_budget) if groups else []
+    best = Best()
+    bar = progress_bar(len(groups), options.progress, "metis-strong")
+    try:
+        for g, budget in zip(groups, budgets):
+            bar.update(1)
+            if clock.out():
+                break
+            ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+            init = initial_state(ev, g.stages, gbs, ranks)
+            if init is None:
+                continue
+            state, e, _ = balance(ev, init[0], gbs, ranks, budget, init[1])
+            if not e.feasible:
+                continue
+            best.offer(cost, Plan(model, cluster, gbs, [pipeline_plan(state, e.recompute, ranks, gbs)]))
+    finally:
+        bar.close()
+    why = (f"none of {len(groups)} stage device groups of the single pipeline fits in memory "
+           f"with an mbs that divides gbs {gbs}")
+    return finish("metis-strong", best, cost, clock, options, why, stage_groups=len(groups),
+                  cost_evaluations=ev.evaluations, variant="strong")
