@@ -1,0 +1,536 @@
+#!/usr/bin/env python
+"""Convergence: HPP vs Megatron-uniform vs one rank on real text (paper appendix B, Fig. 14).
+
+    python bench/convergence.py --model tiny-llama --set hidden=192 --iters 300
+    python bench/convergence.py --model small --iters 20       # a short look
+
+Three runs of the same model, global batch, data order (the sample contract of
+docs/DATA.md: global batch t is samples t*gbs .. t*gbs+gbs-1 whatever the plan),
+seed and optimizer settings, on the shipped English corpus by default:
+
+    hpp       the HPP plan (``eth.planner.search``, strategy hpp) of the heterogeneous
+              cluster (default examples/clusters/cpu-demo.yaml: its ``emulate_speed``
+              makes the slow ranks really slower)
+    uniform   the Megatron-uniform plan (strategy uniform) on the same ranks
+    one-rank  a one-rank plan on one device of the cluster's first node type
+
+Plans are searched in this process with the planner's own API (what tools/search_hpp.py
+runs; the model is a preset with ``--set FIELD=VALUE`` overrides of its ModelSpec,
+which search_hpp.py has no flag for); training is ``pretrain_gpt.py`` itself, under
+``torchrun --standalone`` for several ranks and plain ``python`` for one rank, with
+``--log-interval 1``: the per-iteration losses are read from rank 0's metric lines
+(``megatron/hpp/metrics.py``: ``iteration i/N | ... | loss X | ...``).
+
+Prints the mean training loss of each run over the last ``--window`` iterations, the
+validation loss after the last iteration (``--eval-iters`` global batches of the
+validation split, pretrain_gpt.py's ``--eval-interval``; no batch-to-batch noise) and the
+relative differences (the paper reports ETH and the baselines within about 0.1%), and
+writes, under ``--out`` (default bench/results): ``convergence.csv`` (iteration, loss of
+each run), ``convergence.png`` (the three curves; the last ``--window`` iterations zoomed;
+the per-iteration relative difference to the one-rank run), ``convergence.md`` (command,
+machine load, commit, model, plans, numbers).  Bad
+arguments: one ``error:`` line, exit 2; a failed training run: its last lines, exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RUNS = ("hpp", "uniform", "one-rank")
+PAPER_GAP = 0.001
+"""The paper's appendix B: loss curves of ETH and the baselines within about 0.1%."""
+
+LOSS_LINE = re.compile(r"^iteration (\d+)/(\d+) \| .*?\| loss (\S+) \|")
+TIME_FIELD = re.compile(r"\| time ([0-9.]+) ms")
+VALID_LINE = re.compile(r"^validation loss at iteration (\d+) \| lm loss (\S+) \|")
+
+
+class BenchError(Exception):
+    """Bad input to the bench (one line, exit 2)."""
+
+
+# ---------------------------------------------------------------- arguments
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        raise BenchError(message)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="model preset (eth.model.PRESETS)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ModelSpec field of the preset (repeatable), e.g. hidden=192")
+    p.add_argument("--cluster", default=str(REPO / "examples/clusters/cpu-demo.yaml"),
+                   help="heterogeneous cluster YAML of the hpp and uniform runs")
+    p.add_argument("--gbs", type=int, default=16, help="global batch size of all three runs")
+    p.add_argument("--iters", type=int, default=300, help="training iterations of each run")
+    p.add_argument("--window", type=int, default=50,
+                   help="final window: mean loss over the last this many iterations (and the zoom)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="training precision recorded in the plans")
+    p.add_argument("--seed", type=int, default=1234, help="training seed (weights, data order)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=1e-4, help="cosine decay floor")
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up iterations")
+    p.add_argument("--eval-iters", type=int, default=8,
+                   help="validation global batches evaluated after the last iteration (0: none)")
+    p.add_argument("--data-path", nargs="+", default=[str(REPO / "megatron/hpp/corpus/english")],
+                   metavar="PREFIX", help="pretrain_gpt.py --data-path")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--out", default=str(REPO / "bench/results"), help="folder of convergence.{csv,png,md}")
+    p.add_argument("--workdir", default=None,
+                   help="keep the plans and training logs here (default: a temporary folder)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    for name in args.runs:
+        if name not in RUNS:
+            raise BenchError(f"--runs: unknown run {name!r}; runs: {', '.join(RUNS)}")
+    if not args.runs:
+        raise BenchError("--runs: no run named")
+    if args.eval_iters < 0:
+        raise BenchError(f"--eval-iters must be 0 or more, got {args.eval_iters}")
+    for flag in ("gbs", "iters", "window"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if args.window > args.iters:
+        raise BenchError(f"--window {args.window} is larger than --iters {args.iters}")
+    if args.warmup < 0 or args.warmup >= args.iters:
+        raise BenchError(f"--warmup {args.warmup} must be in [0, --iters {args.iters})")
+    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
+        raise BenchError(f"need 0 <= --min-lr {args.min_lr} <= --lr {args.lr} and --lr > 0")
+    weights = [p for p in args.data_path if _is_weight(p)]
+    for prefix in args.data_path:
+        if not _is_weight(prefix) and not Path(f"{prefix}.bin").is_file():
+            raise BenchError(f"--data-path {prefix}: no {prefix}.bin (see docs/DATA.md)")
+    if not Path(args.cluster).is_file():
+        raise BenchError(f"--cluster {args.cluster}: no such file")
+    # pretrain_gpt.py runs in the repository root: absolute paths
+    args.data_path = [p if p in weights else str(Path(p).resolve()) for p in args.data_path]
+    return args
+
+
+def _is_weight(text: str) -> bool:
+    """A blend weight of ``--data-path W PREFIX ...`` (a number), not a prefix."""
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_sets(sets) -> dict:
+    """``["hidden=192", "swiglu=true"]`` -> ``{"hidden": 192, "swiglu": True}`` (YAML scalars)."""
+    import yaml
+    from dataclasses import fields
+
+    from eth.model import ModelSpec
+
+    known = {f.name for f in fields(ModelSpec)} - {"name"}
+    out = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BenchError(f"--set {item!r}: expected FIELD=VALUE")
+        if key not in known:
+            raise BenchError(f"--set {item!r}: unknown model field {key!r}; fields: {', '.join(sorted(known))}")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise BenchError(f"--set {item!r}: value {value!r} is not a number, true/false or a word") from None
+    return out
+
+
+def build_model(name: str, sets):
+    """The preset with the overrides (validated by ModelSpec itself)."""
+    from eth.errors import SpecError
+    from eth.model import get_model
+
+    overrides = parse_sets(sets)
+    try:
+        return get_model(name, **overrides)
+    except SpecError as exc:
+        raise BenchError(str(exc)) from None
+    except TypeError as exc:  # a value of the wrong kind that ModelSpec cannot compare
+        raise BenchError(f"--set: {exc}") from None
+
+
+# ---------------------------------------------------------------- plans
+def one_rank_cluster(cluster, path: Path) -> None:
+    """A cluster YAML of one device of ``cluster``'s first node type (its own figures, no
+    emulated slow-down: the reference run)."""
+    import yaml
+
+    from eth.fileio import atomic_write_text
+
+    data = yaml.safe_load(Path(cluster).read_text())
+    first = data["nodes"][0]["type"]
+    types = {first: dict(data.get("device_types", {}).get(first, {"base": first}))}
+    types[first].pop("emulate_speed", None)
+    atomic_write_text(path, yaml.safe_dump({
+        "version": 1, "name": f"one-{first}", "inter_node_gbps": data.get("inter_node_gbps", 10),
+        "device_types": types, "nodes": [{"type": first, "devices_per_node": 1, "count": 1}]},
+        sort_keys=False))
+
+
+def make_plan(model, cluster_path, gbs: int, strategy: str, precision: str, out: Path):
+    """Search a plan (tools/search_hpp.py's steps: analytic profiles for the cluster's
+    device types, ``eth.planner.search.search``) and save it to ``out``."""
+    from eth.cluster import load_cluster
+    from eth.errors import SpecError
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.precision import TrainSetup
+    from eth.profiles import ProfileDB
+
+    try:
+        cluster = load_cluster(cluster_path)
+        db = ProfileDB()
+        added = db.ensure(model, cluster.types.values())
+        plan = search(model, cluster, db, SearchOptions(gbs=gbs, strategy=strategy, progress=False,
+                                                        setup=TrainSetup(precision, 0, "fp32")))
+    except SpecError as exc:  # InfeasibleError included
+        raise BenchError(f"{strategy} plan on {Path(cluster_path).name}: {exc}") from None
+    plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added else db.get(t).source
+                               for t in sorted(cluster.types)}
+    plan.save(out)
+    return plan
+
+
+# ---------------------------------------------------------------- training
+def parse_log(lines, expect: int | None = None) -> tuple[list[float], list[float], dict]:
+    """Per-iteration losses, iteration times (ms) and validation losses by iteration from
+    rank 0's ``--log-interval 1`` metric lines; other lines are ignored.  With ``expect``,
+    the lines must be iterations 1..expect of an ``expect``-iteration run, in order."""
+    losses, times, valid = [], [], {}
+    for line in lines:
+        v = VALID_LINE.match(line)
+        if v:
+            valid[int(v.group(1))] = float(v.group(2))
+        m = LOSS_LINE.match(line)
+        if not m:
+            continue
+        it, total, loss = int(m.group(1)), int(m.group(2)), float(m.group(3))
+        if it != len(losses) + 1 or (expect is not None and total != expect):
+            raise ValueError(f"metric line for iteration {it}/{total} after {len(losses)} iteration(s): "
+                             f"not a --log-interval 1 log of one run")
+        losses.append(loss)
+        t = TIME_FIELD.search(line)
+        times.append(float(t.group(1)) if t else math.nan)
+    if expect is not None and len(losses) != expect:
+        raise ValueError(f"{len(losses)} metric lines, expected {expect}")
+    return losses, times, valid
+
+
+def train_command(plan_path: Path, world: int, args) -> list[str]:
+    train = [str(REPO / "pretrain_gpt.py"), "--hpp-plan", str(plan_path), "--train-iters", str(args.iters),
+             "--log-interval", "1", "--seed", str(args.seed), "--lr", repr(args.lr),
+             "--min-lr", repr(args.min_lr), "--warmup", str(args.warmup),
+             "--data-path", *args.data_path]
+    if args.eval_iters:  # one evaluation, after the last iteration
+        train += ["--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters)]
+    if world == 1:
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+            *train]
+
+
+def train(name: str, plan_path: Path, world: int, args, workdir: Path) -> dict:
+    """Run one training; returns its losses, iteration times and wall seconds."""
+    from tqdm import tqdm
+
+    cmd = train_command(plan_path, world, args)
+    log_path, err_path = workdir / f"{name}.log", workdir / f"{name}.stderr"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    start = time.monotonic()
+    lines = []
+    bar = tqdm(total=args.iters, desc=f"{name:8s} ({world} rank{'s' if world > 1 else ''})", unit="it",
+               disable=args.no_progress, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    with open(log_path, "w") as log, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line.rstrip("\n"))
+                m = LOSS_LINE.match(line)
+                if m:
+                    bar.update(1)
+                    bar.set_postfix(loss=m.group(3), refresh=False)
+                if time.monotonic() - start > args.timeout:
+                    raise TimeoutError
+            code = proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - start)))
+        except (TimeoutError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+            code = None
+        finally:
+            bar.close()
+    wall = time.monotonic() - start
+    if code != 0:
+        tail = (err_path.read_text().strip().splitlines() or ["(no stderr)"])[-8:]
+        what = f"timed out after {args.timeout:.0f} s" if code is None else f"exit code {code}"
+        print(f"error: {name} training run failed ({what}): {shlex.join(cmd)}\n  " + "\n  ".join(tail),
+              file=sys.stderr)
+        raise SystemExit(1)
+    losses, times, valid = parse_log(lines, expect=args.iters)
+    if args.eval_iters and args.iters not in valid:
+        print(f"error: {name}: no validation loss line at iteration {args.iters} in {log_path}", file=sys.stderr)
+        raise SystemExit(1)
+    return {"losses": losses, "times_ms": times, "valid": valid.get(args.iters), "wall_s": wall,
+            "command": shlex.join(cmd)}
+
+
+# ---------------------------------------------------------------- numbers
+def window_mean(losses, window: int) -> float:
+    tail = losses[-window:]
+    return sum(tail) / len(tail)
+
+
+def compare(results: dict, window: int) -> dict:
+    """Final-window means, relative differences of every pair (a - b) / b, and the largest
+    per-iteration relative difference inside the window."""
+    means = {n: window_mean(r["losses"], window) for n, r in results.items()}
+    pairs = {}
+    names = [n for n in RUNS if n in results]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:  # (hpp, uniform), (hpp, one-rank), (uniform, one-rank)
+            la, lb = results[a]["losses"][-window:], results[b]["losses"][-window:]
+            va, vb = results[a].get("valid"), results[b].get("valid")
+            pairs[(a, b)] = {"rel": (means[a] - means[b]) / means[b],
+                             "max_iter_rel": max(abs(p - q) / q for p, q in zip(la, lb)),
+                             "valid_rel": (va - vb) / vb if va is not None and vb is not None else None}
+    return {"means": means, "pairs": pairs}
+
+
+def steady_ms(times) -> float:
+    """Mean iteration time without the first (warm-up) iteration."""
+    rest = [t for t in times[1:] if math.isfinite(t)] or times
+    return sum(rest) / len(rest)
+
+
+def format_summary(results: dict, cmp: dict, args) -> str:
+    w, n = args.window, args.iters
+    rows = [f"final-window mean loss (iterations {n - w + 1}-{n}, {w} iterations)",
+            f"  {'run':10s} {'ranks':>5s} {'mean loss':>10s} {'valid loss':>10s} {'iteration ms':>13s} "
+            f"{'wall s':>7s}"]
+    for name, r in results.items():
+        valid = f"{r['valid']:10.5f}" if r.get("valid") is not None else f"{'-':>10s}"
+        rows.append(f"  {name:10s} {r['world']:5d} {cmp['means'][name]:10.5f} {valid} "
+                    f"{steady_ms(r['times_ms']):13.1f} {r['wall_s']:7.1f}")
+    rows.append(f"relative differences of the final-window means (paper: within ~{PAPER_GAP:.1%})")
+    for (a, b), d in cmp["pairs"].items():
+        valid = f", validation loss {d['valid_rel']:+.3%}" if d["valid_rel"] is not None else ""
+        rows.append(f"  {a} vs {b}: {d['rel']:+.3%}  (largest per-iteration difference in the window "
+                    f"{d['max_iter_rel']:.3%}{valid})")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- outputs
+def write_csv(path: Path, results: dict) -> None:
+    from eth.fileio import atomic_write_text
+
+    names = list(results)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["iteration", *(f"loss_{n}" for n in names)])
+    for i in range(len(results[names[0]]["losses"])):
+        w.writerow([i + 1, *(f"{results[n]['losses'][i]:.6f}" for n in names)])
+    atomic_write_text(path, buf.getvalue())
+
+
+def plot(path: Path, results: dict, model, args) -> None:
+    """Left: the whole curves; right: the last ``--window`` iterations (top) and each run's
+    per-iteration relative difference to the one-rank run, or to the first run (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"hpp": ("HPP (ETH)", "-", "tab:red"), "uniform": ("Megatron uniform", "--", "tab:blue"),
+              "one-rank": ("one rank", ":", "black")}
+    fig = plt.figure(figsize=(12, 5.2))
+    grid = fig.add_gridspec(2, 2, width_ratios=[3, 2])
+    full, zoom, diff = fig.add_subplot(grid[:, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, 1])
+    n, w = args.iters, args.window
+    xs = list(range(1, n + 1))
+    ref = "one-rank" if "one-rank" in results else next(iter(results))
+    for name, r in results.items():
+        label, ls, color = styles[name]
+        full.plot(xs, r["losses"], ls, color=color, lw=1.0, label=label)
+        zoom.plot(xs[n - w:], r["losses"][n - w:], ls, color=color, lw=1.2, label=label)
+        if name != ref:
+            rel = [100 * (a - b) / b for a, b in zip(r["losses"], results[ref]["losses"])]
+            diff.plot(xs, rel, ls, color=color, lw=0.8, label=f"{label} vs {styles[ref][0]}")
+    full.axvspan(n - w + 0.5, n + 0.5, color="0.9", zorder=0)
+    full.set(xlabel="iteration", ylabel="training loss (nats/token)",
+             title=f"{model.name}: {model.num_params() / 1e6:.2f}M parameters, gbs {args.gbs}, "
+                   f"seq {model.seq_len}, {args.precision}")
+    zoom.set(title=f"last {w} iterations", ylabel="loss")
+    diff.set(xlabel="iteration", ylabel="difference (%)")
+    diff.axhline(0, color="0.5", lw=0.5)
+    full.legend()
+    if len(results) > 1:
+        diff.legend(fontsize="small")
+    for ax in (full, zoom, diff):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+
+
+def shown(path) -> str:
+    """``path`` relative to the repository when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return head + (" (with uncommitted changes in the tree)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def write_md(path: Path, results, cmp, model, plans, args, argv, load_before, load_after) -> None:
+    from eth.fileio import atomic_write_text
+    from eth.report import format_plan_table
+
+    n, w = args.iters, args.window
+    cmd = "python bench/convergence.py " + shlex.join(argv)
+    lines = [
+        "# Convergence: HPP vs Megatron-uniform vs one rank",
+        "",
+        "The paper's appendix B (Fig. 14) trains LLaMA-2 70B with ETH and the baselines and finds",
+        f"their loss curves within about {PAPER_GAP:.1%}.  Here a small model of the same family trains",
+        "on the shipped English corpus with the same global batch, data order, seed and learning-rate",
+        "schedule under three plans (written by `bench/convergence.py`).",
+        "",
+        f"* command: `{cmd.strip()}`",
+        f"* commit: {git_commit()}",
+        f"* machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} "
+        f"{platform.release()}; load average (1/5/15 min) {load_before} before, {load_after} after",
+        f"* model: {model.name} {model.to_dict()}: {model.num_params():,} parameters",
+        f"* training: {n} iterations, gbs {args.gbs}, {args.precision}, lr {args.lr:g} -> {args.min_lr:g} "
+        f"(cosine, {args.warmup} warm-up), seed {args.seed}, data {' '.join(shown(d) for d in args.data_path)}",
+        "",
+        f"| run | ranks | mean loss, last {w} iterations | vs one rank | validation loss after {n} | vs one rank "
+        f"| mean iteration ms | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ref = cmp["means"].get("one-rank")
+    vref = results["one-rank"].get("valid") if "one-rank" in results else None
+    for name, r in results.items():
+        rel = f"{(cmp['means'][name] - ref) / ref:+.3%}" if ref and name != "one-rank" else "-"
+        v = r.get("valid")
+        valid = f"{v:.5f}" if v is not None else "-"
+        vrel = f"{(v - vref) / vref:+.3%}" if v is not None and vref and name != "one-rank" else "-"
+        lines.append(f"| {name} | {r['world']} | {cmp['means'][name]:.5f} | {rel} | {valid} | {vrel} | "
+                     f"{steady_ms(r['times_ms']):.1f} | {r['wall_s']:.0f} |")
+    lines += ["", f"Relative differences of the final-window means (paper: ~{PAPER_GAP:.1%}):", ""]
+    for (a, b), d in cmp["pairs"].items():
+        valid = f"; validation loss {d['valid_rel']:+.3%}" if d["valid_rel"] is not None else ""
+        lines.append(f"* {a} vs {b}: {d['rel']:+.3%} (largest single-iteration difference in the "
+                     f"window: {d['max_iter_rel']:.3%}{valid})")
+    out = shown(args.out)
+    lines += ["", f"Curves: `{out}/convergence.png`; per-iteration losses: "
+                  f"`{out}/convergence.csv`.  Iteration times are rank 0's wall clock on a "
+                  "shared machine (emulated slow ranks included), not a throughput benchmark.", "",
+              "Plans:", ""]
+    for name, plan in plans.items():
+        lines += [f"{name}:", "", "```", format_plan_table(plan).rstrip(), "```", ""]
+    atomic_write_text(path, "\n".join(lines))
+
+
+# ---------------------------------------------------------------- main
+def _main(argv) -> int:
+    args = parse_args(argv)
+    model = build_model(args.model, args.sets)
+    cluster = Path(args.cluster)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):
+        raise BenchError(f"--out {out}: not a writable folder")
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="hpp-convergence-")
+    workdir = Path(args.workdir or tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        plans, worlds = {}, {}
+        for name in args.runs:
+            if name == "one-rank":
+                one_rank_cluster(cluster, workdir / "one-rank.yaml")
+                plan = make_plan(model, workdir / "one-rank.yaml", args.gbs, "hpp", args.precision,
+                                 workdir / "one-rank.json")
+            else:
+                plan = make_plan(model, cluster, args.gbs, name, args.precision, workdir / f"{name}.json")
+            plans[name], worlds[name] = plan, plan.world_size
+            print(f"{name} plan: " + "; ".join(
+                f"pipeline {i}: {len(p.stages)} stage(s), mbs {p.mbs}, lbs {p.lbs}, ranks {sorted(p.ranks)}"
+                for i, p in enumerate(plan.pipelines)), flush=True)
+        print(f"model {model.name}: {model.num_params():,} parameters; {args.iters} iterations of gbs "
+              f"{args.gbs} x seq {model.seq_len}, {args.precision}; load average {loadavg()}", flush=True)
+        load_before = loadavg()
+        results = {}
+        for name in args.runs:
+            results[name] = train(name, workdir / f"{name}.json", worlds[name], args, workdir)
+            results[name]["world"] = worlds[name]
+        load_after = loadavg()
+        cmp = compare(results, args.window)
+        print(format_summary(results, cmp, args))
+        write_csv(out / "convergence.csv", results)
+        plot(out / "convergence.png", results, model, args)
+        write_md(out / "convergence.md", results, cmp, model, plans, args,
+                 sys.argv[1:] if argv is None else argv, load_before, load_after)
+        print(f"wrote {out / 'convergence.csv'}, {out / 'convergence.png'}, {out / 'convergence.md'}")
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
