@@ -4,8 +4,11 @@
 For the paper's Table 2 models and cluster scales (examples/clusters/<pair>-<n>.yaml
 from examples/make_clusters.py; pairs b2b3, b2b4, b3b4, a100-3090) and for the
 section 7.4 sweeps of GPT-3 13B on 910B2/910B4 (devices 16..128, global batch
-4..4096, sequence length 32..8192), every strategy -- hpp (eth.planner.search),
-uniform, metis, hexiscale, typesplit (eth.planner.baselines) -- plans the iteration
+4..4096, sequence length 32..8192), every strategy -- hpp (eth.planner.search, with its
+seeds; which seed won, if one did, is the seed_won column), hpp-noseeds (the same search
+without seeds), uniform, metis and hexiscale (as published), metis-strong and
+hexiscale-strong (on HPP's balancer, Mbs search and recompute), typesplit
+(eth.planner.baselines) -- plans the iteration
 from the same profiles (the shipped analytic ones in profiles/, extended by
 ProfileDB.ensure for other sequence lengths) and the same CostModel; each plan is then
 played by the event simulator (eth.simulate).  Written to --out (bench/results/):
@@ -14,6 +17,9 @@ played by the event simulator (eth.simulate).  Written to --out (bench/results/)
     paper_eval.md                                                 tables built from the CSVs
     plans/*.json        every strategy's plan for GPT-3 13B on b2b4-64 and the paper's Table 3 plans
     sweep_devices.png, sweep_gbs.png, sweep_seq.png               one plot per sweep
+    sensitivity.csv     GPT-3 13B on b2b4-64: every strategy under other training setups
+                        (ZeRO 1/2, bf16 gradients), activation bytes x0.5 / x2, the slow
+                        type's speed x0.5 / x1.5 (--only sensitivity)
 
 Columns: pred_ms = Eq. 5 + Eq. 6 (CostModel.evaluate), sim_ms = simulated iteration
 (incl. the optimizer step, which Eq. 5 leaves out), search_s = planner wall time,
@@ -26,6 +32,7 @@ efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
     python bench/paper_eval.py --quick              # subset, < 1 minute -> bench/results/quick/
     python bench/paper_eval.py --time-limit 60      # everything (many minutes)
     python bench/paper_eval.py --only table2 --models gpt3-13b --pairs b2b4
+    python bench/paper_eval.py --only sensitivity
     python bench/paper_eval.py --report-only        # rebuild md + PNG from the CSVs
 """
 from __future__ import annotations
@@ -40,8 +47,11 @@ from pathlib import Path
 from types import MappingProxyType
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("hpp", "uniform", "metis", "hexiscale", "typesplit")
-BASELINES = STRATEGIES[1:]
+STRATEGIES = ("hpp", "hpp-noseeds", "uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong",
+              "typesplit")
+BASELINES = STRATEGIES[2:]
+HPPS = ("hpp", "hpp-noseeds")
+"""HPP with its seeds (the default search) and without (``--no-seeds``)."""
 SWEEPS = ("devices", "gbs", "seq")
 SWEEP_VALUES = MappingProxyType({"devices": (16, 32, 48, 64, 96, 128),
                                  "gbs": (4, 16, 64, 256, 1024, 4096),
@@ -92,6 +102,67 @@ def table3_plan(strategy: str, model, cluster):
         pipes.append(PipelinePlan(mbs, lbs, out))
     return Plan(model, cluster, 1024, pipes).validate()
 
+
+@dataclass(frozen=True)
+class Variant:
+    """One variation of the sensitivity problem: a training setup, activation bytes and the
+    slow type's speed (op times / speed and its catalogue TFLOPS x speed)."""
+
+    name: str
+    zero_stage: int = 0
+    grad_reduce: str = "fp32"
+    act_scale: float = 1.0
+    """Every op's saved activation and input bytes x this, on every device type."""
+    slow_speed: float = 1.0
+    """The slower device type (lower TFLOPS) runs this many times as fast."""
+
+    @property
+    def setup(self):
+        from eth.precision import TrainSetup
+        return TrainSetup("bf16", self.zero_stage, self.grad_reduce)
+
+    def apply(self, model, cluster, db):
+        """(cluster, profiles) of this variant; the inputs are not changed."""
+        from eth.cluster import Cluster
+        from eth.profiles import SHAPE_DEFAULTS, SHAPE_FIELDS, DeviceProfile, ProfileDB, shape_key
+        if self.act_scale == 1.0 and self.slow_speed == 1.0:
+            return cluster, db
+        slow = min(cluster.types, key=lambda t: cluster.types[t].tflops)
+        if self.slow_speed != 1.0:
+            data = cluster.to_dict()
+            data.setdefault("device_types", {}).setdefault(slow, {})["tflops"] = (
+                cluster.types[slow].tflops * self.slow_speed)
+            cluster = Cluster.from_dict(data)
+        out = ProfileDB(dict(db.profiles))
+        for t in cluster.types:
+            base = db.get(t).data
+            speed = self.slow_speed if t == slow else 1.0
+            models = []
+            for m in base["models"]:
+                if tuple(m["shape"].get(f, SHAPE_DEFAULTS.get(f)) for f in SHAPE_FIELDS) != shape_key(model):
+                    continue
+                entries = [dict(e, ops={op: [v[0] / speed, v[1] / speed, v[2], v[3] * self.act_scale,
+                                             v[4] * self.act_scale, v[5]] for op, v in e["ops"].items()})
+                           for e in m["entries"]]
+                models.append(dict(m, entries=entries))
+            out.add(DeviceProfile(dict(base, models=models), where=f"{t} ({self.name})"))
+        return cluster, out
+
+
+SENSITIVITY = (
+    Variant("default (bf16, fp32 grads, ZeRO 0)"),
+    Variant("ZeRO 1", zero_stage=1),
+    Variant("ZeRO 2", zero_stage=2),
+    Variant("bf16 gradients", grad_reduce="bf16"),
+    Variant("activations x0.5", act_scale=0.5),
+    Variant("activations x2", act_scale=2.0),
+    Variant("910B4 speed x0.5", slow_speed=0.5),
+    Variant("910B4 speed x1.5", slow_speed=1.5),
+)
+"""The sensitivity table's variations of GPT-3 13B on b2b4-64 (gbs 1024, seq 2048).  GEMM
+efficiency is not varied: the analytic profiles have one constant factor
+(eth.profiles.GEMM_EFFICIENCY), so scaling it scales both types alike (= x speed on both)."""
+SENSITIVITY_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
 
 TABLE3_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
 """(model, pair, devices, gbs, seq) of the paper's Table 3; our plans for it are saved too."""
@@ -160,6 +231,11 @@ class Row:
     """Stage count of every pipeline, e.g. "4+4"."""
     ideal_ms: float = float("nan")
     efficiency: float = float("nan")
+    seed_won: str = ""
+    """hpp: the seed planner whose plan won (metis-strong, hexiscale-strong, uniform), or
+    "none" when the HPP search's own plan did."""
+    variant: str = ""
+    """sensitivity rows: which variation of the base problem (see SENSITIVITY)."""
     note: str = ""
 
 
@@ -207,30 +283,39 @@ def ideal_ms(model, cluster, gbs: int) -> float:
 
 
 def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies,
-             save_dir: Path | None = None) -> list[Row]:
+             save_dir: Path | None = None, variant=None) -> list[Row]:
+    """Every strategy on one problem; ``variant`` (a :class:`Variant`) changes the training
+    setup, the profiles or the cluster (the sensitivity table)."""
     from eth.cost import CostModel
     from eth.errors import InfeasibleError, SpecError
     from eth.model import get_model
     from eth.planner.baselines import BaselineOptions, plan_baseline
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
+    from eth.precision import TrainSetup
     from eth.simulate import simulate
 
     model = get_model(case.model, seq_len=case.seq)
     cluster = cluster_for(case, mc)
     db = cache.for_problem(model, cluster)
-    cost = CostModel(model, cluster, db)
+    setup = TrainSetup()
+    if variant is not None:
+        cluster, db = variant.apply(model, cluster, db)
+        setup = variant.setup
+    cost = CostModel(model, cluster, db, setup)
     ideal = ideal_ms(model, cluster, case.gbs)
     rows = []
     for strategy in strategies:
-        row = Row(**asdict(case), strategy=strategy, ideal_ms=ideal)
+        row = Row(**asdict(case), strategy=strategy, ideal_ms=ideal,
+                  variant=variant.name if variant is not None else "")
         start = time.perf_counter()
         try:
-            if strategy == "hpp":
-                plan = search(model, cluster, db, SearchOptions(gbs=case.gbs, time_limit=time_limit))
+            if strategy in HPPS:
+                plan = search(model, cluster, db, SearchOptions(gbs=case.gbs, time_limit=time_limit, setup=setup,
+                                                                seeds=strategy == "hpp"))
             else:
                 plan = plan_baseline(strategy, model, cluster, db, case.gbs,
-                                     BaselineOptions(time_limit=time_limit))
+                                     BaselineOptions(time_limit=time_limit, setup=setup))
         except InfeasibleError as exc:
             row.status, row.note = "infeasible", str(exc)[:160]
         except SpecError as exc:
@@ -243,6 +328,12 @@ def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies,
             row.stages = "+".join(str(len(p.stages)) for p in plan.pipelines)
             row.sim_ms = simulate(plan, cost).iteration_ms
             row.efficiency = ideal / row.sim_ms
+            if strategy == "hpp":
+                row.seed_won = plan.search.get("seed_won") or "none"
+            mixed = plan.search.get("mixed_type_best")
+            if mixed:
+                row.note = (f"a mixed-type stage layout is predicted {mixed['iteration_ms'] / 1e3:.2f} s; "
+                            f"times are of the best single-type plan")
             if save_dir is not None:
                 save_dir.mkdir(parents=True, exist_ok=True)
                 plan.save(save_dir / f"{case.model}-{case.pair}-{case.devices}-{strategy}.json")
@@ -293,6 +384,8 @@ def read_csv(path: Path) -> list[Row]:
         for d in csv.DictReader(fh):
             kw = {}
             for f in fields(Row):
+                if f.name not in d:         # a CSV written before the column existed
+                    continue
                 v = d[f.name]
                 kw[f.name] = (int(v) if f.type == "int" else float(v) if f.type == "float"
                               else v == "True" if f.type == "bool" else v)
@@ -335,22 +428,17 @@ def markdown_tables(table: str, rows: list[Row]) -> list[str]:
     groups = _group(rows)
     lines = ["", "Iteration time, s: simulated (Eq. 5 prediction); OOM = no plan fits; "
              "* = search hit its time limit", ""]
-    lines += _md_table(head + list(STRATEGIES),
+    lines += _md_table(head + list(STRATEGIES) + ["seed won"],
                        [_case_label(k, varying) + [_cell_time(g.get(s)) for s in STRATEGIES]
+                        + [g["hpp"].seed_won if g.get("hpp") is not None and g["hpp"].seed_won else "-"]
                         for k, g in groups.items()])
-    lines += ["", "Speedup of HPP over each baseline (simulated; Eq. 5 prediction in brackets)", ""]
-    body = []
-    for k, g in groups.items():
-        cells = []
-        for b in BASELINES:
-            sim = _speedup(g.get("hpp"), g.get(b))
-            if sim is None:
-                cells.append("OOM" if g.get(b) is not None and g[b].status == "infeasible" else "-")
-            else:
-                pred = g[b].pred_ms / g["hpp"].pred_ms
-                cells.append(f"{sim:.2f}x ({pred:.2f}x)")
-        body.append(_case_label(k, varying) + cells)
-    lines += _md_table(head + [f"vs {b}" for b in BASELINES], body)
+    notes = [f"{r.strategy} at {', '.join(_case_label(k, varying))}: {r.note}" for k, g in groups.items()
+             for r in g.values() if r.status == "ok" and r.note]
+    if notes:
+        lines += [""] + [f"* {n}" for n in notes]
+    for hpp in HPPS:
+        lines += ["", f"Speedup of {hpp} over each baseline (simulated; Eq. 5 prediction in brackets)", ""]
+        lines += _md_table(head + [f"vs {b}" for b in BASELINES], _speedup_rows(groups, hpp, varying))
     lines += ["", "Search time, s / efficiency (ideal time / simulated time)", ""]
     body = []
     for k, g in groups.items():
@@ -359,6 +447,49 @@ def markdown_tables(table: str, rows: list[Row]) -> list[str]:
             (f"{g[s].search_s:.1f} / {g[s].efficiency:.2f}" if g[s].status == "ok" else f"{g[s].search_s:.1f} / -")
             for s in STRATEGIES])
     lines += _md_table(head + list(STRATEGIES), body)
+    return lines
+
+
+def _speedup_rows(groups, hpp: str, varying) -> list[list[str]]:
+    body = []
+    for k, g in groups.items():
+        cells = []
+        for b in BASELINES:
+            sim = _speedup(g.get(hpp), g.get(b))
+            if sim is None:
+                cells.append("OOM" if g.get(b) is not None and g[b].status == "infeasible" else "-")
+            else:
+                pred = g[b].pred_ms / g[hpp].pred_ms
+                cells.append(f"{sim:.2f}x ({pred:.2f}x)")
+        body.append(_case_label(k, varying) + cells)
+    return body
+
+
+def sensitivity_lines(rows: list[Row]) -> list[str]:
+    """HPP's gain over each baseline under every variation (Eq. 5 prediction; simulated in
+    brackets), and which seed won."""
+    by: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        by.setdefault(r.variant, {})[r.strategy] = r
+    lines = ["", "## Sensitivity: GPT-3 13B, B2/B4, 64 devices, gbs 1024, seq 2048", "",
+             "Speedup of HPP (with seeds) over each baseline, Eq. 5 prediction (simulated in "
+             "brackets); HPP's own time in s; OOM = the baseline finds no plan that fits.", ""]
+    body = []
+    for name, g in by.items():
+        h = g.get("hpp")
+        cells = [name, "-" if h is None or h.status != "ok" else f"{h.pred_ms / 1e3:.2f}"]
+        for b in ("hpp-noseeds",) + BASELINES:
+            r = g.get(b)
+            if h is None or r is None or h.status != "ok":
+                cells.append("-")
+            elif r.status != "ok":
+                cells.append("OOM" if r.status == "infeasible" else "error")
+            else:
+                cells.append(f"{r.pred_ms / h.pred_ms:.2f}x ({r.sim_ms / h.sim_ms:.2f}x)")
+        cells.append(h.seed_won if h is not None and h.seed_won else "-")
+        body.append(cells)
+    lines += _md_table(["variant", "hpp s"] + [f"vs {b}" for b in ("hpp-noseeds",) + BASELINES] + ["seed won"],
+                       body)
     return lines
 
 
@@ -389,19 +520,20 @@ def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
 
 def summary_lines(rows: list[Row]) -> list[str]:
     """Ranges of the HPP speedup per baseline and pair (the paper's headline numbers)."""
-    lines = ["| pair | " + " | ".join(f"vs {b}" for b in BASELINES) + " |",
-             "|---|" + "|".join("---" for _ in BASELINES) + "|"]
+    lines = ["| pair | hpp | " + " | ".join(f"vs {b}" for b in BASELINES) + " |",
+             "|---|---|" + "|".join("---" for _ in BASELINES) + "|"]
     groups = _group(rows)
     for pair in sorted({k[1] for k in groups}):
-        cells = []
-        for b in BASELINES:
-            sp = [s for k, g in groups.items() if k[1] == pair
-                  for s in [_speedup(g.get("hpp"), g.get(b))] if s is not None]
-            oom = sum(1 for k, g in groups.items() if k[1] == pair and g.get(b) is not None
-                      and g[b].status == "infeasible")
-            text = f"{min(sp):.2f}-{max(sp):.2f}x" if sp else "-"
-            cells.append(text + (f" ({oom} OOM)" if oom else ""))
-        lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+        for hpp in HPPS:
+            cells = []
+            for b in BASELINES:
+                sp = [s for k, g in groups.items() if k[1] == pair
+                      for s in [_speedup(g.get(hpp), g.get(b))] if s is not None]
+                oom = sum(1 for k, g in groups.items() if k[1] == pair and g.get(b) is not None
+                          and g[b].status == "infeasible")
+                text = f"{min(sp):.2f}-{max(sp):.2f}x" if sp else "-"
+                cells.append(text + (f" ({oom} OOM)" if oom else ""))
+            lines.append(f"| {pair} | {hpp} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -425,6 +557,8 @@ def write_report(out: Path) -> None:
         md += markdown_tables("table2", tables["table2"])
     if "table3" in tables:
         md += table3_lines(tables["table3"], tables.get("table2", []))
+    if "sensitivity" in tables:
+        md += sensitivity_lines(tables["sensitivity"])
     for sweep in SWEEPS:
         name = f"sweep_{sweep}"
         if name in tables:
@@ -450,15 +584,17 @@ def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
     groups = _group(rows)
     keys = sorted(groups, key=lambda k: {"devices": k[2], "gbs": k[3], "seq": k[4]}[sweep])
     xs = [{"devices": k[2], "gbs": k[3], "seq": k[4]}[sweep] for k in keys]
-    colors = dict(zip(STRATEGIES, ("tab:red", "tab:gray", "tab:blue", "tab:green", "tab:purple")))
-    markers = dict(zip(STRATEGIES, ("o", "s", "^", "D", "v")))
+    colors = dict(zip(STRATEGIES, ("tab:red", "tab:orange", "tab:gray", "tab:blue", "tab:cyan", "tab:green",
+                                   "tab:olive", "tab:purple")))
+    markers = dict(zip(STRATEGIES, ("o", "o", "s", "^", "^", "D", "D", "v")))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
     for s in STRATEGIES:
         pts = [(x, groups[k][s].sim_ms / 1e3) for x, k in zip(xs, keys)
                if s in groups[k] and groups[k][s].status == "ok"]
         if pts:
             ax1.plot(*zip(*pts), marker=markers[s], color=colors[s], label=s,
-                     lw=2.2 if s == "hpp" else 1.2, zorder=4 if s == "hpp" else 3, alpha=0.9)
+                     lw=2.2 if s == "hpp" else 1.2, zorder=4 if s == "hpp" else 3, alpha=0.9,
+                     ls="--" if s.endswith(("-strong", "-noseeds")) else "-")
         bad = [x for x, k in zip(xs, keys) if s in groups[k] and groups[k][s].status != "ok"]
         if bad:
             ax1.scatter(bad, [0.0] * len(bad), marker="x", s=70, color=colors[s], transform=ax1.get_xaxis_transform(),
@@ -474,7 +610,7 @@ def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
                if sp is not None]
         if pts:
             ax2.plot([x for x, _ in pts], [min(y, cap) for _, y in pts], marker=markers[s], color=colors[s],
-                     label=f"HPP vs {s}")
+                     label=f"HPP vs {s}", ls="--" if s.endswith("-strong") else "-")
             for x, y in pts:
                 if y > cap:       # off the scale: drawn at the cap with its value
                     clipped = True
@@ -506,7 +642,7 @@ def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
-    p.add_argument("--only", choices=("table2", "table3", "sweeps"), help="run only this part")
+    p.add_argument("--only", choices=("table2", "table3", "sweeps", "sensitivity"), help="run only this part")
     p.add_argument("--models", nargs="+", help="Table 2 models (default: all, quick: 350m, 1.3b)")
     p.add_argument("--pairs", nargs="+", help="device pairs (default: all, quick: b2b4, a100-3090)")
     p.add_argument("--sweeps", nargs="+", choices=SWEEPS, help="which sweeps (default: all)")
@@ -536,6 +672,12 @@ def main(argv=None) -> int:
                       or k.removeprefix("sweep_") in args.sweeps}
         if args.only in (None, "table3"):
             write_csv(out / "table3.csv", run_table3(mc, cache, out / "plans"))
+        if args.only in (None, "sensitivity") and not args.quick:
+            case = Case("sensitivity", *SENSITIVITY_CASE)
+            rows = []
+            for v in tqdm(SENSITIVITY, file=sys.stderr, unit="variant", desc="sensitivity"):
+                rows += run_case(case, mc, cache, args.time_limit, args.strategies, variant=v)
+            write_csv(out / "sensitivity.csv", rows)
         total = sum(len(v) for v in groups.values())
         bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
         done: dict[tuple, list[Row]] = {}     # the sweeps share their base point (and Table 2's)
@@ -558,7 +700,9 @@ def main(argv=None) -> int:
                 write_csv(path, rows)
         finally:
             bar.close()
-        wrote = (["table3"] if args.only in (None, "table3") else []) + list(groups)
+        wrote = ((["table3"] if args.only in (None, "table3") else [])
+                 + (["sensitivity"] if args.only in (None, "sensitivity") and not args.quick else [])
+                 + list(groups))
         line = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC  {command}  # time limit "
                 f"{args.time_limit:g} s; wrote {', '.join(wrote)}.csv")
         if cache.added:
