@@ -57,7 +57,36 @@ def pipeline_line(costs, mbs: int, ar_ms) -> tuple[float, float]:
 
 def _greedy(lines, mbs, gbs: int) -> list[int]:
     """The paper's greedy (after one micro-batch each): until sum >= gbs, give Mbs_i more
-    samples to the pipeline with the smallest new end time."""
+    samples to the pipeline with the smallest new end time.
+
+    Pipeline i's c-th micro-batch ends at A_i + B_i c, increasing in c (B_i >= 0), so the
+    heap pops the merged sequence of all (A_i + B_i c, i), c = 2, 3, ..., in sorted order:
+    the result is the shortest prefix of that sorted sequence whose samples reach gbs.
+    It is computed that way with numpy (:func:`_greedy_heap` is the heap loop)."""
+    lbs = list(mbs)
+    total = sum(lbs)
+    if total >= gbs:
+        return lbs
+    if any(b < 0 for _, b in lines):
+        return _greedy_heap(lines, mbs, gbs)
+    need = gbs - total
+    vals, owner, step = [], [], []
+    for i, ((a, b), m) in enumerate(zip(lines, mbs)):
+        c = np.arange(2, 2 + -(-need // m), dtype=np.int64)
+        vals.append(a + b * c)
+        owner.append(np.full(c.size, i, dtype=np.int64))
+        step.append(np.full(c.size, m, dtype=np.int64))
+    vals, owner, step = np.concatenate(vals), np.concatenate(owner), np.concatenate(step)
+    order = np.lexsort((owner, vals))
+    reached = np.cumsum(step[order])
+    taken = order[:int(np.searchsorted(reached, need)) + 1]
+    for i, k in zip(*np.unique(owner[taken], return_counts=True)):
+        lbs[int(i)] += int(k) * mbs[int(i)]
+    return lbs
+
+
+def _greedy_heap(lines, mbs, gbs: int) -> list[int]:
+    """:func:`_greedy` as the paper's heap loop (one pop per micro-batch)."""
     lbs = list(mbs)
     heap = [(lines[i][0] + lines[i][1] * 2, i) for i in range(len(lines))]
     heapq.heapify(heap)

@@ -53,8 +53,16 @@ def split_layers(num_layers: int, weights: list[float]) -> list[int]:
 
 def resplit(ev: Evaluator, state: PipeState) -> PipeState:
     """Layers inversely proportional to each stage's per-layer time at its tp/dp/mbs."""
+    key = None
+    if getattr(ev, "memo", False):
+        key = (state.mbs,) + tuple((s.device_type, s.ndev, s.tp) for s in state.stages)
+        counts = ev._splits.get(key)
+        if counts is not None:
+            return PipeState(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
     speeds = [1.0 / ev.layer_ms(s, state.mbs) for s in state.stages]
     counts = split_layers(ev.model.num_layers, speeds)
+    if key is not None:
+        ev._splits[key] = counts
     return PipeState(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
 
 

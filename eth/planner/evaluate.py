@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from eth.cost import CostModel, StageCost, eq1_pipeline_ms, eq6_allreduce_ms
-from eth.model import LAYER_OPS
+from eth.model import layer_ops
 from eth.planner.enumerate import tp_groups_in_nodes
 
 
@@ -90,10 +90,21 @@ class Evaluation:
 
 
 class Evaluator:
-    """Evaluates PipeStates with a CostModel; memoises recompute fitting."""
+    """Evaluates PipeStates with a CostModel; memoises recompute fitting.
 
-    def __init__(self, cost: CostModel):
+    ``memo`` (default on; ``SearchOptions.memo``) keeps, per ranks object, every stage's
+    (StageCost, recompute, overflow, own All-Reduce) by (position, stage count, type,
+    devices, tp, layers, first / last layer held, mbs, in-flight micro-batches), which fixes
+    everything :meth:`fit_stage` and :meth:`own_allreduce_ms` read, so an evaluation
+    after a balancer move costs one dictionary look-up per unchanged stage; the
+    balancer's layer re-splits are memoised too.  Off, every evaluation goes through
+    :meth:`fit_stage` per stage (the results are the same)."""
+
+    def __init__(self, cost: CostModel, memo: bool = True):
         self.cost = cost
+        self.memo = memo
+        self._stages: dict = {}
+        self._splits: dict = {}
         self.model = cost.model
         self._fit: dict = {}
         self._order: dict = {}
@@ -129,8 +140,9 @@ class Evaluator:
         key = (device_type, micro, tp)
         if key not in self._order:
             ops, _ = self.cost.profiles.layer_costs(device_type, self.model, micro, tp)
-            cand = [op for op in LAYER_OPS if ops[op].act_bytes > 0]
-            cand.sort(key=lambda op: (-ops[op].act_bytes / max(ops[op].fwd_ms, 1e-9), LAYER_OPS.index(op)))
+            order = layer_ops(self.model)
+            cand = [op for op in order if ops[op].act_bytes > 0]
+            cand.sort(key=lambda op: (-ops[op].act_bytes / max(ops[op].fwd_ms, 1e-9), order.index(op)))
             self._order[key] = cand
         return self._order[key]
 
@@ -160,7 +172,11 @@ class Evaluator:
         if not c.fits:
             # memory = fixed + inflight * max(act - saved(recompute), 0); search the
             # recompute set on that formula, then cost the chosen set once.
-            ops, _ = self.cost.profiles.layer_costs(st.device_type, self.model, mbs // st.dp, st.tp)
+            okey = ("ops", st.device_type, mbs // st.dp, st.tp)
+            ops = self._order.get(okey)
+            if ops is None:
+                ops = self._order[okey] = self.cost.profiles.layer_costs(st.device_type, self.model,
+                                                                         mbs // st.dp, st.tp)[0]
             fixed = c.memory_bytes - c.inflight * c.act_bytes
             room = c.capacity_bytes - fixed
 
@@ -203,6 +219,51 @@ class Evaluator:
     def evaluate(self, state: PipeState, batch: int, ranks) -> Evaluation:
         """Eq. 1 for ``batch`` samples; ``ranks[j]`` are representative ranks of stage j."""
         self.evaluations += 1
+        if not self.memo:
+            return self._evaluate_plain(state, batch, ranks)
+        stages, mbs = state.stages, state.mbs
+        S = len(stages)
+        nmb = max(1, math.ceil(batch / mbs))
+        # per-stage results memoised per ranks object; the entry keeps ranks alive
+        memo = self._stages.get(id(ranks))
+        if memo is None or memo[0] is not ranks:
+            memo = self._stages[id(ranks)] = (ranks, {})
+        memo = memo[1]
+        hits, start, overflow, L = [], 0, 0.0, self.model.num_layers
+        for j, st in enumerate(stages):
+            # len(ranks) == S; the position enters through j, the first/last flags and
+            # the in-flight micro-batches only
+            key = (j, st.device_type, st.ndev, st.tp, st.layers, start == 0, start + st.layers == L, mbs,
+                   max(1, min(S - j, nmb)))
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = self._stage_entry(st, (start, start + st.layers), mbs, j, S, nmb, ranks)
+            hits.append(hit)
+            overflow += hit[2]
+            start += st.layers
+        costs = tuple(h[0] for h in hits)
+        recs = tuple(h[1] for h in hits)
+        if overflow:
+            return Evaluation(math.inf, overflow, costs, recs)
+        totals = [h[4] for h in hits]
+        ms = sum(totals) + max(totals) * (batch / mbs - 1)   # eq1_pipeline_ms
+        extra, head_bwd = 0.0, 0.0
+        for h in hits:
+            if h[3] is not None:
+                extra = max(extra, h[3] - head_bwd)
+            head_bwd += h[0].bwd_ms
+        return Evaluation(ms + extra, overflow, costs, recs)
+
+    def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks):
+        """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms)."""
+        nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
+        links = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
+        c, rec, over = self.fit_stage(st, rng, mbs, j, S, nmb, ranks[j], nxt, prv, links)
+        ar = self.own_allreduce_ms(st, rng, ranks[j]) if st.dp > 1 else None
+        return c, rec, over, ar, c.total_ms
+
+    def _evaluate_plain(self, state: PipeState, batch: int, ranks) -> Evaluation:
+        """:meth:`evaluate` without the per-stage memo (``memo`` off)."""
         S = len(state.stages)
         nmb = max(1, math.ceil(batch / state.mbs))
         ranges = state.layer_ranges()

@@ -76,6 +76,11 @@ class SearchOptions:
     """Pipeline counts with more device groups than this are searched by DP only."""
     dp_orderings: int = 2
     """Random device orderings tried by DP in addition to the canonical ones."""
+    memo: bool = True
+    """Planner-level memoisation (speed only, the same plans): per-stage evaluation
+    results per ranks layout, layer re-splits, rank layouts and allocations of device
+    groups (:class:`eth.planner.evaluate.Evaluator`, :class:`eth.planner.search.HPPSearch`).
+    Off = the search before these memos (bench/search_scaling.py compares both)."""
     allow_overshoot: bool = False
     """Accept sum(Lbs) > Gbs (paper constraint Eq. 3) when no exact split exists; by
     default only exact splits are emitted because the runtime requires equality."""

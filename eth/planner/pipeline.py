@@ -20,6 +20,7 @@ evaluations (not seconds), so the search stays deterministic.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -92,7 +93,7 @@ def _normalise(value: float, mean: float) -> float:
 
 
 def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
-                      topk: int, max_stages: int, stop=None) -> PipelineResult | None:
+                      topk: int, max_stages: int, stop=None, phases=None) -> PipelineResult | None:
     """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built.
 
     ``stop()`` (optional; the search's time limit) is polled between stage groups and
@@ -105,13 +106,14 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
         return None
     budgets = adaptive_budgets(ev.cost.cluster, groups, base_budget)
     starts = []
-    for g, budget in zip(groups, budgets):
-        if starts and halted():
-            break
-        ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
-        init = initial_state(ev, g.stages, batch, ranks)
-        if init is not None:
-            starts.append((init[1].key, len(starts), g, ranks, init, budget))
+    with (phases("warm starts") if phases is not None else nullcontext()):
+        for g, budget in zip(groups, budgets):
+            if starts and halted():
+                break
+            ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+            init = initial_state(ev, g.stages, batch, ranks)
+            if init is not None:
+                starts.append((init[1].key, len(starts), g, ranks, init, budget))
     if not starts:
         return None
     starts.sort(key=lambda x: (x[0], x[1]))

@@ -72,7 +72,7 @@ def finer_microbatches(search, cand: Candidate) -> Candidate:
 def variant_allocation(search, results: list[PipelineResult]) -> Candidate | None:
     """Exact Eq. 2-4 with each pipeline's Mbs free among halvings/doublings of its own."""
     gbs = search.opt.gbs
-    ar = search.cost.stage_allreduce_ms(search.build_plan(results, [r.state.mbs for r in results]).pipelines)
+    ar = search.allreduce_ms(results, search.build_plan(results, [r.state.mbs for r in results]))
     options, variants = [], []
     for r, a in zip(results, ar):
         base = math.lcm(*[st.dp for st in r.state.stages])

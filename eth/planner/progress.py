@@ -34,3 +34,55 @@ def progress_bar(total: int | None, enabled: bool, desc: str | None = None, unit
     from tqdm import tqdm
     return tqdm(total=total, disable=not enabled, file=sys.stderr, desc=desc, unit=unit, leave=False,
                 dynamic_ncols=True)
+
+
+class PhaseTimer:
+    """Exclusive wall time per search phase (seconds), for ``plan.search["phase_s"]``.
+
+    ``with timer("balance"):`` charges the time inside the block to "balance" and pauses
+    the enclosing phase; inside a phase opened with ``sticky=True`` (the polish) nested
+    phases are not split off, so that phase's figure is its whole cost.  Time outside
+    every block is the caller's business (the search charges it to "enumeration")."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._stack: list[list] = []   # [name, start, sticky]
+
+    def __call__(self, name: str, sticky: bool = False):
+        return _Phase(self, name, sticky)
+
+    def _enter(self, name: str, sticky: bool) -> bool:
+        now = time.perf_counter()
+        if self._stack and self._stack[-1][2]:
+            return False
+        if self._stack:
+            top = self._stack[-1]
+            self.seconds[top[0]] = self.seconds.get(top[0], 0.0) + now - top[1]
+        self._stack.append([name, now, sticky])
+        return True
+
+    def _exit(self) -> None:
+        now = time.perf_counter()
+        name, start, _ = self._stack.pop()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - start
+        if self._stack:
+            self._stack[-1][1] = now
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in sorted(self.seconds.items())}
+
+
+class _Phase:
+    __slots__ = ("timer", "name", "sticky", "opened")
+
+    def __init__(self, timer: PhaseTimer, name: str, sticky: bool):
+        self.timer, self.name, self.sticky, self.opened = timer, name, sticky, False
+
+    def __enter__(self):
+        self.opened = self.timer._enter(self.name, self.sticky)
+        return self
+
+    def __exit__(self, *exc):
+        if self.opened:
+            self.timer._exit()
+        return False

@@ -55,7 +55,7 @@ from eth.planner.evaluate import Evaluator
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import Candidate, finer_microbatches, polish, variant_allocation
-from eth.planner.progress import Clock, progress_bar
+from eth.planner.progress import Clock, PhaseTimer, progress_bar
 from eth.profiles import ProfileDB
 
 
@@ -94,7 +94,9 @@ class HPPSearch:
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions):
         self.model, self.cluster, self.opt = model, cluster, options
         self.cost = CostModel(model, cluster, profiles, options.setup)
-        self.ev = Evaluator(self.cost)
+        self.ev = Evaluator(self.cost, options.memo)
+        self._layouts: dict = {}
+        self._ar: dict = {}
         self.blocks = make_blocks(cluster, options.max_blocks_per_type)
         self.facts = {t: (d.tflops, d.memory_gb) for t, d in cluster.types.items()}
         self.stats = SearchStats()
@@ -107,6 +109,7 @@ class HPPSearch:
         self._window: deque = deque(maxlen=options.dp_window)
         self._dp_done = False
         self._top: list[Candidate] = []
+        self.phases = PhaseTimer()
 
     # ------------------------------------------------------------------ helpers
     def _devices(self, vec) -> dict[str, int]:
@@ -137,8 +140,10 @@ class HPPSearch:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.pipelines_optimised += 1
-        result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
-                                   self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time)
+        with self.phases("balance"):
+            result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
+                                       self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time,
+                                       self.phases)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound
@@ -151,7 +156,8 @@ class HPPSearch:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.refinements += 1
-        refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self._out_of_time)
+        with self.phases("refine"):
+            refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self._out_of_time)
         if self.opt.cache and not self.clock.hit:
             self._cache[key] = refined
         return refined
@@ -174,8 +180,30 @@ class HPPSearch:
         return bound
 
     # ------------------------------------------------------------------ one group
+    def _ranks(self, results) -> list[list[list[int]]]:
+        """:func:`assign_ranks` of the results' stage groups (memoised with ``memo``)."""
+        if not self.opt.memo:
+            return assign_ranks(self.blocks, [list(r.group.stages) for r in results])
+        key = tuple(r.group.stages for r in results)
+        hit = self._layouts.get(key)
+        if hit is None:
+            hit = self._layouts[key] = tuple(tuple(tuple(s) for s in p) for p in
+                                             assign_ranks(self.blocks, [list(g) for g in key]))
+        return [[list(s) for s in p] for p in hit]
+
+    def allreduce_ms(self, results, plan) -> list[list[float]]:
+        """AR_i^j of ``plan`` (built from ``results``): memoised with ``memo`` by the stage
+        groups, tps and layer counts, all that Eq. 6 reads (not Mbs, Lbs or recompute)."""
+        if not self.opt.memo:
+            return self.cost.stage_allreduce_ms(plan.pipelines)
+        key = tuple((r.group.stages, tuple((st.tp, st.layers) for st in r.state.stages)) for r in results)
+        hit = self._ar.get(key)
+        if hit is None:
+            hit = self._ar[key] = self.cost.stage_allreduce_ms(plan.pipelines)
+        return [list(row) for row in hit]
+
     def build_plan(self, results: list[PipelineResult], lbs) -> Plan:
-        ranks = assign_ranks(self.blocks, [list(r.group.stages) for r in results])
+        ranks = self._ranks(results)
         pipelines = []
         for r, rk, n in zip(results, ranks, lbs):
             stages = []
@@ -186,12 +214,16 @@ class HPPSearch:
         return Plan(self.model, self.cluster, self.opt.gbs, pipelines)
 
     def _allocate(self, results) -> tuple[Plan, float] | None:
+        with self.phases("allocation"):
+            return self._allocate_group(results)
+
+    def _allocate_group(self, results) -> tuple[Plan, float] | None:
         plan = self.build_plan(results, [r.state.mbs for r in results])
         if not plan_tp_in_nodes(plan):
             # the group's layout (assign_ranks) left no node-local place for a tp group
             self._reason("a tp group would cross nodes")
             return None
-        ar = self.cost.stage_allreduce_ms(plan.pipelines)
+        ar = self.allreduce_ms(results, plan)
         lines = [pipeline_line(r.evaluation.costs, r.state.mbs, a) for r, a in zip(results, ar)]
         alloc: Allocation | None = allocate(lines, [r.state.mbs for r in results], self.opt.gbs,
                                             self.opt.allow_overshoot)
@@ -230,12 +262,14 @@ class HPPSearch:
         got = self._allocate(results)
         if got is None:
             # the phase-1 Mbs admit no exact split (e.g. sum of Mbs > Gbs): free the Mbs
-            cand = variant_allocation(self, results)
+            with self.phases("allocation"):
+                cand = variant_allocation(self, results)
             if cand is None:
                 return None
         else:
             cand = Candidate(got[0], got[1], results)
-        cand = finer_microbatches(self, cand)
+        with self.phases("allocation"):
+            cand = finer_microbatches(self, cand)
         results = cand.results
         if not self._out_of_time() and (
                 self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin)):
@@ -251,7 +285,8 @@ class HPPSearch:
                 if [r.state.mbs for r in refined] == [r.state.mbs for r in results]:
                     break
                 results = refined
-            cand = finer_microbatches(self, cand)
+            with self.phases("allocation"):
+                cand = finer_microbatches(self, cand)
         self._consider(cand)
         return cand
 
@@ -277,6 +312,8 @@ class HPPSearch:
         if not self.can_hold(total):
             raise InfeasibleError(self._infeasible_message())
         bar = progress_bar(0, opt.progress, unit="group")
+        root = self.phases("enumeration")
+        root.__enter__()
         try:
             for p in range(1, max_p + 1):
                 if self._out_of_time():
@@ -289,7 +326,8 @@ class HPPSearch:
                 if limit is not None and n > limit:
                     # too many groups: DP (Eq. 10) covers this and all larger pipeline counts
                     self._mark_dp(p)
-                    self._run_dp(p)
+                    with self.phases("dp"):
+                        self._run_dp(p)
                     break
                 self.stats.groups_total += n
                 self.stats.counted_pipelines = p
@@ -304,20 +342,23 @@ class HPPSearch:
                     self._visit(vecs)
                     if opt.dp and self._skip_rate_low():
                         self._mark_dp(p)
-                        self._run_dp(p)
+                        with self.phases("dp"):
+                            self._run_dp(p)
                         dp_now = True
                         break
                 self.stats.groups_not_visited += n - visited
                 if dp_now:
                     break
+            for cand in list(self._top):
+                if self._out_of_time():
+                    break
+                with self.phases("polish", sticky=True):
+                    better = polish(self, cand, self.opt.polish_budget)
+                if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
+                    self.best = better
         finally:
             bar.close()
-        for cand in list(self._top):
-            if self._out_of_time():
-                break
-            better = polish(self, cand, self.opt.polish_budget)
-            if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
-                self.best = better
+            root.__exit__()
         self.stats.cost_evaluations = self.ev.evaluations
         if self.best is None:
             raise InfeasibleError(self._infeasible_message())
@@ -341,6 +382,7 @@ class HPPSearch:
             "cost_evaluations": self.stats.cost_evaluations,
             "dp_triggered_at_pipelines": self.stats.dp_triggered_at,
             "time_limited": self.stats.time_limited,
+            "phase_s": self.phases.rounded(),
         }
         return plan.validate()
 
@@ -466,6 +508,7 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
                                         replace(options, time_limit=options.time_limit / 6, progress=False))
         except InfeasibleError:
             continue
+    seeds_s = clock.elapsed()
     left = max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds else options.time_limit
     try:
         plan, why = HPPSearch(model, cluster, profiles, replace(options, time_limit=left)).run(), ""
@@ -483,5 +526,6 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
         plan.search["seeds_ms"] = {k: round(v.predicted["iteration_ms"], 4) for k, v in seeds.items()}
     plan.search["options"] = options.switches()
     plan.search["time_s"] = round(clock.elapsed(), 3)
+    plan.search["phase_s"] = dict(plan.search.get("phase_s") or {}, seeds=round(seeds_s, 3))
     plan.training = options.setup
     return plan

@@ -211,3 +211,18 @@ def test_variant_allocation_handles_large_batches():
     assert all(n % opts[i][k][0] == 0 and n > 0 for i, (n, k) in enumerate(zip(lbs, pick)))
     assert math.isclose(end, max(opts[i][k][1] + opts[i][k][2] * n / opts[i][k][0]
                                  for i, (n, k) in enumerate(zip(lbs, pick))))
+
+
+def test_sorted_greedy_equals_the_heap_loop():
+    """_greedy takes the shortest prefix of the sorted (A_i + B_i c, i) sequence; the
+    paper's heap loop (_greedy_heap) pops exactly that sequence.  Ties (equal end
+    times, B = 0) included."""
+    from eth.planner.allocate import _greedy, _greedy_heap
+    rng = random.Random(5)
+    for _ in range(3000):
+        P = rng.randint(1, 6)
+        mbs = [rng.choice([1, 2, 3, 4, 8]) for _ in range(P)]
+        gbs = rng.randint(1, 200)
+        lines = [(rng.choice([0.0, 1.0, 2.5, rng.random() * 10]), rng.choice([0.0, 0.5, 1.0, 1 / 3, rng.random() * 3]))
+                 for _ in range(P)]
+        assert _greedy(lines, mbs, gbs) == _greedy_heap(lines, mbs, gbs), (lines, mbs, gbs)

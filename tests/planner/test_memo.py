@@ -60,3 +60,26 @@ def test_fit_stage_memo_equals_fresh():
         st = StageState(t, tp * dp, tp, layers[1] - layers[0])
         args = (st, layers, mbs, j, S, rng.choice([1, 2, 8, 64]), ranks, nxt, prv)
         assert shared.fit_stage(*args) == Evaluator(CostModel(model, cluster, db)).fit_stage(*args), args
+
+
+def test_search_memo_changes_no_plan():
+    """SearchOptions.memo (per-stage evaluation memo, layer re-split memo, rank layout and
+    All-Reduce memo, sorted greedy) only saves time: with and without it the search
+    makes the same evaluations and returns the same plan on seeded small clusters."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _planner_data import M4, make_cluster, profiles_for
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    rng = random.Random(11)
+    for _ in range(6):
+        types = rng.sample(["A100", "RTX3090", "V100", "910B4"], rng.randint(1, 3))
+        nodes = [{"type": t, "devices_per_node": rng.randint(1, 3)} for t in types]
+        cluster = make_cluster(nodes, inter_node_gbps=rng.choice([25, 100, 400]))
+        db = profiles_for(M4, cluster)
+        gbs = rng.choice([4, 8, 12, 16])
+        on, off = (search(M4, cluster, db, SearchOptions(gbs=gbs, seeds=False, memo=m)) for m in (True, False))
+        assert on.predicted == off.predicted
+        assert on.to_dict()["pipelines"] == off.to_dict()["pipelines"]
+        assert on.search["cost_evaluations"] == off.search["cost_evaluations"]

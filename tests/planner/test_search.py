@@ -100,6 +100,7 @@ def test_deterministic_given_seed():
     a, b = (r.to_dict() for r in runs)
     for d in (a, b):
         d["search"].pop("time_s")
+        assert set(d["search"].pop("phase_s")) >= {"balance", "allocation", "polish", "seeds"}
     assert a == b
 
 
