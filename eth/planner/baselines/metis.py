@@ -34,9 +34,10 @@ cost model's formulas directly (:meth:`MetisSearch.score`, the same Eq. 5 / Eq. 
 memory terms); the returned plan is the fastest single-type candidate (scored by
 :meth:`eth.cost.CostModel.evaluate`), and when a mixed-type candidate is predicted faster
 ``plan.search["mixed_type_best"]`` records it (iteration_ms, Mbs, per stage devices by
-type, tp, layers and per-type micro-batch shares); ``bench/paper_eval.py`` reports that
-prediction as Metis's time.  If only mixed-type candidates fit, the planner raises
-InfeasibleError naming the best one.
+type, tp, layers and per-type micro-batch shares); ``bench/paper_eval.py`` notes that
+prediction next to Metis's row (no mixed-type layout won on the paper's clusters, whose
+two types have equal device counts: only the one-stage layout mixes types there).  If only
+mixed-type candidates fit, the planner raises InfeasibleError naming the best one.
 
 Where it departs from the published system: Metis's own profiler and cost model are
 replaced by ours; its device-group generation is reduced to the equal and type-aligned
