@@ -40,15 +40,32 @@ FORWARD, BACKWARD = 0, 1
 class ComputeClock:
     """Times compute and, when emulating (CPU, speed > 0), stretches it by 1/speed.
 
-    CPU: ``perf_counter`` around every call.  CUDA (``cuda_events``): a pair of CUDA
-    events around every call, read once by :meth:`total_seconds` after the step, so
-    timing never synchronises the device between ops."""
+    CPU: the compute of a call is the *CPU time* of the calling thread
+    (``time.thread_time``) when torch runs single-threaded (``OMP_NUM_THREADS=1``, as
+    every CPU run here does), else its wall time.  CPU time is what the call costs on a
+    dedicated core: it does not grow when other processes share the cores (several
+    ranks on a 2-core machine), and a tp all-reduce that waits inside a forward costs
+    none (it is communication, not compute).  Emulating a device of ``emulate_speed`` s,
+    a call whose compute is c lasts c / s: the clock sleeps until that much wall time has
+    passed since the call started (no sleep when contention already made the call take
+    longer; then the wall time is what it cost).  Without emulation (speed 0) a call
+    counts its wall time.  The same convention as the CPU
+    profiler (``megatron.hpp.profiler``: op times are thread CPU time when single-threaded),
+    so that a measured profile predicts these numbers on a loaded machine too.
+    CUDA (``cuda_events``): a pair of CUDA events around every call, read once by
+    :meth:`total_seconds` after the step, so timing never synchronises the device between ops."""
 
     emulate_speed: float = 0.0
     seconds: float = 0.0
     """Compute time of this step so far (CPU: including the emulation sleep)."""
     cuda_events: bool = False
+    cpu_time: bool | None = None
+    """CPU: measure compute as thread CPU time (None: when torch uses one thread)."""
     _events: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if self.cpu_time is None:
+            self.cpu_time = not self.cuda_events and torch.get_num_threads() == 1
 
     def run(self, fn, *args):
         if self.cuda_events:
@@ -58,15 +75,15 @@ class ComputeClock:
             end.record()
             self._events.append((start, end))
             return out
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = fn(*args)
-        dt = time.perf_counter() - t0
-        if self.emulate_speed > 0 and self.emulate_speed != 1.0:
-            extra = dt * (1.0 / self.emulate_speed - 1.0)
-            if extra > 0:
-                time.sleep(extra)
-            dt += max(extra, 0.0)
-        self.seconds += dt
+        wall = time.perf_counter() - t0
+        if self.emulate_speed > 0:
+            target = ((time.thread_time() - c0) if self.cpu_time else wall) / self.emulate_speed
+            if target > wall:
+                time.sleep(target - wall)
+            wall = max(target, wall)
+        self.seconds += wall
         return out
 
     def total_seconds(self) -> float:

@@ -135,6 +135,17 @@ def test_sends_are_released_as_the_schedule_goes():
 def test_compute_clock_cpu_path_stretches_by_speed():
     import time
 
-    clock = ComputeClock(emulate_speed=0.5)
-    clock.run(time.sleep, 0.05)
-    assert 0.09 < clock.total_seconds() < 0.5
+    def busy(cpu_s):   # compute: spins until this thread has used cpu_s of CPU time
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < cpu_s:
+            pass
+
+    clock = ComputeClock(emulate_speed=0.5, cpu_time=True)
+    start = time.perf_counter()
+    clock.run(busy, 0.03)
+    # 0.03 s of CPU at speed 0.5 lasts >= 0.06 s, on the clock and on the wall
+    assert clock.total_seconds() >= 0.06 - 1e-6 and time.perf_counter() - start >= 0.06 - 1e-3
+    waiting = ComputeClock(emulate_speed=0.5, cpu_time=True)
+    start = time.perf_counter()
+    waiting.run(time.sleep, 0.02)   # waiting (e.g. for a tp peer) is not compute: not stretched
+    assert 0.02 <= waiting.total_seconds() <= time.perf_counter() - start
