@@ -49,7 +49,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from eth.errors import ProfileError
-from eth.model import ALL_OPS, ModelSpec, op_shapes
+from eth.model import ALL_OPS, ModelSpec, all_ops, layer_ops, op_shapes
 from eth.profiles import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS
 
 US_PER_MS = 1000.0
@@ -196,6 +196,9 @@ def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float =
     model in a folder that holds several; without it the folder must hold exactly one.
     """
     folder = Path(folder)
+    if all_ops(model) != ALL_OPS:
+        raise ProfileError(f"Aceso CSVs hold the GPT op set (layernorm, learned positions, unfused "
+                           f"attention, gelu); model {model.name} has ops {list(layer_ops(model))}")
     if not folder.is_dir():
         raise ProfileError(f"Aceso profile folder {folder} does not exist")
     files = [(p, OP_FILE.match(p.name)) for p in sorted(folder.glob("*.csv"))]

@@ -23,6 +23,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "for the model get analytic profiles in memory")
     p.add_argument("--gbs", type=int, required=True, help="global batch size")
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--attention", choices=("unfused", "fused"),
+                   help="attention op set (default: the preset's): unfused = score, softmax, attn-dropout, "
+                        "context ops; fused = one fused-attention op (eth.model.ModelSpec.attention)")
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     p.add_argument("--strategy", default="hpp", choices=STRATEGIES,
                    help="hpp, or a baseline in the same cost model: uniform (Megatron), metis and "
@@ -65,7 +68,7 @@ def _main(argv=None) -> int:
 
     if args.output:  # before the search, so that a long search's result is not lost
         check_output_file(args.output)
-    model = get_model(args.model, seq_len=args.seq)
+    model = get_model(args.model, seq_len=args.seq, attention=args.attention)
     cluster = load_cluster(args.cluster)
     db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
     added = db.ensure(model, cluster.types.values())

@@ -57,7 +57,8 @@ from dataclasses import dataclass, field, replace
 
 from eth.cluster import Cluster
 from eth.errors import SpecError
-from eth.model import ACT_BYTES, LAYER_OPS, POST_OPS, PRE_OPS, ModelSpec, tp_allreduces
+from eth.model import (ACT_BYTES, KNOWN_LAYER_OPS, LAYER_OPS, ModelSpec, layer_ops, post_ops, pre_ops,
+                       tp_allreduces)
 from eth.precision import TrainSetup
 from eth.profiles import ProfileDB, collective_ms
 
@@ -121,10 +122,11 @@ def eq6_allreduce_ms(grad_bytes: float, n: int, gbps: float) -> float:
     return 2 * grad_bytes * (n - 1) / (n * bytes_per_ms)
 
 
-def recompute_runs(recomputed: set[str]) -> list[list[str]]:
-    """Maximal runs of consecutive LAYER_OPS that are all recomputed."""
+def recompute_runs(recomputed: set[str], order=LAYER_OPS) -> list[list[str]]:
+    """Maximal runs of consecutive layer ops (``order``: a spec's ``eth.model.layer_ops``,
+    the GPT set by default) that are all recomputed."""
     runs, run = [], []
-    for op in LAYER_OPS:
+    for op in order:
         if op in recomputed:
             run.append(op)
         elif run:
@@ -133,6 +135,9 @@ def recompute_runs(recomputed: set[str]) -> list[list[str]]:
     if run:
         runs.append(run)
     return runs
+
+
+_LAYER_OP_SET = frozenset(KNOWN_LAYER_OPS)
 
 
 @dataclass
@@ -219,14 +224,14 @@ class CostModel:
         prof = self.profiles.get(device_type)
         scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
         ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
-        layer_ops = [ops[op] for op in LAYER_OPS]
-        fwd = nl * sum(c.fwd_ms for c in layer_ops)
-        bwd = nl * sum(c.bwd_ms for c in layer_ops)
-        weights = nl * sum(c.weight_bytes for c in layer_ops)
-        act = nl * sum(c.act_bytes for c in layer_ops)
+        in_layer = [ops[op] for op in layer_ops(self.model)]
+        fwd = nl * sum(c.fwd_ms for c in in_layer)
+        bwd = nl * sum(c.bwd_ms for c in in_layer)
+        weights = nl * sum(c.weight_bytes for c in in_layer)
+        act = nl * sum(c.act_bytes for c in in_layer)
         recompute_ms = sum(ops[op].fwd_ms * n for op, n in recompute.items())
         act -= self._recompute_savings(ops, recompute)
-        extra = (PRE_OPS if first else ()) + (POST_OPS if last else ())
+        extra = (pre_ops(self.model) if first else ()) + (post_ops(self.model) if last else ())
         for op in extra:
             fwd += ops[op].fwd_ms
             bwd += ops[op].bwd_ms
@@ -268,15 +273,21 @@ class CostModel:
 
     @staticmethod
     def _recompute_savings(ops, recompute: dict[str, int]) -> float:
-        """Activation bytes freed by recomputation, summed over the stage's layers."""
+        """Activation bytes freed by recomputation, summed over the stage's layers.
+
+        The same rule for every op set (``ops`` is in its layer order, as profiles give
+        it): a run of recomputed ops frees what its ops save but keeps the run's input.
+        A recomputed fused-attention thus frees its output and log-sum-exp and keeps
+        q, k, v (its input)."""
         if not recompute:
             return 0.0
+        order = tuple(op for op in ops if op in _LAYER_OP_SET)
         saved, prev = 0.0, 0
         # layers [prev, n) recompute exactly the ops whose count exceeds prev
         for n in sorted(set(recompute.values())):
             ops_here = {op for op, k in recompute.items() if k >= n}
             per_layer = 0.0
-            for run in recompute_runs(ops_here):
+            for run in recompute_runs(ops_here, order):
                 per_layer += max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0)
             saved += (n - prev) * per_layer
             prev = n

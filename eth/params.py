@@ -51,27 +51,46 @@ class ShardSpec:
 
 
 def layer_specs(spec: ModelSpec, layer: int) -> dict[str, ShardSpec]:
-    """Parameters of transformer layer ``layer``, keyed by their module path in a layer."""
+    """Parameters of transformer layer ``layer``, keyed by their module path in a layer.
+
+    The qkv rows are ordered by key/value group: for each group its query heads, then
+    its key head, then its value head (megatron-core's layout; for multi-head attention
+    (head, q/k/v, head_dim)), so a contiguous tp slice holds whole groups.  A SwiGLU MLP
+    has two column-parallel GEMMs, ``fc1`` (gate) and ``fc1_up`` (up); RMSNorm has no
+    bias and ``spec.bias`` false drops the linear layers' biases."""
     h, f, b = spec.hidden, spec.ffn, f"layer {layer}"
+    qkv = h + 2 * spec.kv_heads * spec.head_dim
     table = {"ln1.weight": ((h,), None, "ones"), "ln1.bias": ((h,), None, "zeros"),
-             "qkv.weight": ((3 * h, h), 0, "normal"), "qkv.bias": ((3 * h,), 0, "zeros"),
+             "qkv.weight": ((qkv, h), 0, "normal"), "qkv.bias": ((qkv,), 0, "zeros"),
              "dense.weight": ((h, h), 1, "scaled"), "dense.bias": ((h,), None, "zeros"),
              "ln2.weight": ((h,), None, "ones"), "ln2.bias": ((h,), None, "zeros"),
              "fc1.weight": ((f, h), 0, "normal"), "fc1.bias": ((f,), 0, "zeros"),
+             "fc1_up.weight": ((f, h), 0, "normal"), "fc1_up.bias": ((f,), 0, "zeros"),
              "fc2.weight": ((h, f), 1, "scaled"), "fc2.bias": ((h,), None, "zeros")}
+    if not spec.swiglu:
+        table = {k: v for k, v in table.items() if not k.startswith("fc1_up.")}
+    if not spec.bias:
+        table = {k: v for k, v in table.items() if k.startswith("ln") or not k.endswith(".bias")}
+    if spec.norm == "rmsnorm":
+        table = {k: v for k, v in table.items() if k not in ("ln1.bias", "ln2.bias")}
     return {k: ShardSpec(f"{b}.{k}", b, *v) for k, v in table.items()}
 
 
 def embedding_specs(spec: ModelSpec) -> dict[str, ShardSpec]:
-    return {"word.weight": ShardSpec("embedding.word", "embedding", (spec.vocab, spec.hidden), 0, "normal"),
-            "pos": ShardSpec("embedding.pos", "embedding", (spec.seq_len, spec.hidden), None, "normal")}
+    out = {"word.weight": ShardSpec("embedding.word", "embedding", (spec.vocab, spec.hidden), 0, "normal")}
+    if spec.position == "learned":
+        out["pos"] = ShardSpec("embedding.pos", "embedding", (spec.seq_len, spec.hidden), None, "normal")
+    return out
 
 
 def head_specs(spec: ModelSpec) -> dict[str, ShardSpec]:
     h = spec.hidden
-    return {"ln.weight": ShardSpec("head.ln.weight", "head", (h,), None, "ones"),
-            "ln.bias": ShardSpec("head.ln.bias", "head", (h,), None, "zeros"),
-            "out.weight": ShardSpec("head.out.weight", "head", (spec.vocab, h), 0, "normal")}
+    out = {"ln.weight": ShardSpec("head.ln.weight", "head", (h,), None, "ones"),
+           "ln.bias": ShardSpec("head.ln.bias", "head", (h,), None, "zeros"),
+           "out.weight": ShardSpec("head.out.weight", "head", (spec.vocab, h), 0, "normal")}
+    if spec.norm == "rmsnorm":
+        del out["ln.bias"]
+    return out
 
 
 def block_specs(spec: ModelSpec, block: str) -> list[ShardSpec]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from eth.cluster import Cluster
 from eth.errors import PlanError, SpecError
 from eth.fileio import atomic_write_text, read_json
-from eth.model import LAYER_OPS, ModelSpec
+from eth.model import ModelSpec, layer_ops
 from eth.precision import TrainSetup
 
 PLAN_VERSION = 1
@@ -117,7 +117,7 @@ class Plan:
 
     def content_hash(self) -> str:
         """Hash of model + cluster + pipelines (not of predictions or search metadata)."""
-        body = json.dumps([self.model.to_dict(), self.cluster.to_dict(), self.gbs, self.training.to_dict(),
+        body = json.dumps([self.model.to_dict(compact=True), self.cluster.to_dict(), self.gbs, self.training.to_dict(),
                            [p.to_dict() | {"predicted": {}, "stages": [s.to_dict() | {"predicted": {}}
                                                                       for s in p.stages]}
                             for p in self.pipelines]], sort_keys=True)
@@ -178,6 +178,7 @@ class Plan:
         _positive_int(self.gbs, "plan.gbs")
         used: dict[int, str] = {}
         world = self.cluster.world_size
+        ops = layer_ops(self.model)
         for i, p in enumerate(self.pipelines):
             where = f"plan.pipelines[{i}]"
             _positive_int(p.mbs, f"{where}.mbs")
@@ -206,8 +207,9 @@ class Plan:
                                     f"{expect} and hold at least one layer")
                 expect = end
                 for op, n in s.recompute.items():
-                    if op not in LAYER_OPS:
-                        raise PlanError(f"{sw}.recompute names unknown op {op!r}")
+                    if op not in ops:
+                        raise PlanError(f"{sw}.recompute names unknown op {op!r}; model "
+                                        f"{self.model.name}'s layer ops: {', '.join(ops)}")
                     if not _is_int(n) or not 0 <= n <= s.num_layers:
                         raise PlanError(f"{sw}.recompute[{op!r}] is {n!r}, must be in "
                                         f"[0, {s.num_layers}] (the stage's layers)")

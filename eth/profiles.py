@@ -49,11 +49,14 @@ from pathlib import Path
 from eth.cluster import DeviceType
 from eth.errors import ProfileError, is_count, is_number
 from eth.fileio import atomic_write_text, read_json
-from eth.model import ALL_OPS, ModelSpec, op_shapes
+from eth.model import ModelSpec, all_ops, op_shapes
 
 PROFILE_VERSION = 1
 OP_FIELDS = ("fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes", "output_bytes")
-SHAPE_FIELDS = ("hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "swiglu", "dropout")
+SHAPE_FIELDS = ("hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "swiglu", "dropout",
+                "norm", "position", "bias", "attention")
+SHAPE_DEFAULTS = {"norm": "layernorm", "position": "learned", "bias": True, "attention": "unfused"}
+"""Shape fields a profile written before they existed lacks: the GPT values."""
 
 # Analytic efficiency factors (documented assumptions, see docs/FORMATS.md).
 GEMM_EFFICIENCY = 0.6        # fraction of dense peak a large fp16 GEMM reaches
@@ -78,6 +81,20 @@ class OpCost:
 
 def shape_key(model: ModelSpec) -> tuple:
     return tuple(getattr(model, f) for f in SHAPE_FIELDS)
+
+
+def entry_shape(shape: dict) -> tuple:
+    """A profile entry's "shape" object as a :func:`shape_key` (GPT values for the
+    fields written before they existed, :data:`SHAPE_DEFAULTS`); KeyError if one lacks."""
+    return tuple(shape[f] if f in shape else SHAPE_DEFAULTS[f] for f in SHAPE_FIELDS)
+
+
+class _ShapeKinds:
+    """The layer options of a shape tuple (what ``eth.model.all_ops`` reads)."""
+
+    def __init__(self, *shape):
+        for name, value in zip(SHAPE_FIELDS, shape):
+            setattr(self, name, value)
 
 
 def _shape_text(shape: tuple) -> str:
@@ -121,10 +138,11 @@ class DeviceProfile:
         for i, m in enumerate(data["models"]):
             mw = f"{where}.models[{i}]"
             try:
-                shape = tuple(m["shape"][f] for f in SHAPE_FIELDS)
+                shape = entry_shape(m["shape"])
             except (KeyError, TypeError):
                 raise ProfileError(f"{mw}.shape must give {list(SHAPE_FIELDS)}") from None
-            if not all(is_number(v) or isinstance(v, bool) for v in shape):
+            if not all(isinstance(v, str) if f in ("norm", "position", "attention") else
+                       (is_number(v) or isinstance(v, bool)) for f, v in zip(SHAPE_FIELDS, shape)):
                 raise ProfileError(f"{mw}.shape must hold numbers, got {m['shape']}")
             self._names[shape] = m.get("name", "?")
             self._tp_comm[shape] = _tp_comm_flag(m, mw, file_tp_comm)
@@ -140,8 +158,10 @@ class DeviceProfile:
                 if not is_number(reserved) or reserved < 0:
                     raise ProfileError(f"{ew}.reserved_bytes must be a number >= 0, got {reserved!r}")
                 ops = {}
-                for op in ALL_OPS:
+                for op in all_ops(_ShapeKinds(*shape)):
                     values = e["ops"].get(op)
+                    if values is None and op == "swiglu" and "norm" not in m["shape"]:
+                        values = e["ops"].get("gelu")   # written before the op had its own name
                     if not (isinstance(values, list) and len(values) == len(OP_FIELDS)):
                         raise ProfileError(f"{ew}.ops[{op!r}] must be a list of {len(OP_FIELDS)} "
                                            f"numbers {list(OP_FIELDS)}, got {values!r}")

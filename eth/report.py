@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from eth.model import LAYER_OPS
+from eth.model import KNOWN_LAYER_OPS, LAYER_OPS
 
 # Short names of the 13 layer ops; AS, AD, Qkv and Sco as in the paper's Table 3.
 OP_ABBREV = MappingProxyType({
@@ -21,6 +21,9 @@ OP_ABBREV = MappingProxyType({
     "attn-dropout": "AD", "context": "Ctx", "attn-dense": "Proj",
     "post-attn-dropout": "PAD", "2nd-layernorm": "LN2", "mlp-gemm-1": "FC1",
     "gelu": "Act", "mlp-gemm-2": "FC2", "post-mlp-dropout": "PMD",
+    # ops of other layer kinds (eth.model.layer_ops)
+    "1st-rmsnorm": "RN1", "2nd-rmsnorm": "RN2", "rotary": "Rope", "fused-attention": "FA",
+    "swiglu": "Swi",
 })
 
 
@@ -32,6 +35,10 @@ OP_NAMES = MappingProxyType({
     "2nd-layernorm": "layernorm before the MLP", "mlp-gemm-1": "first MLP GEMM (h -> ffn)",
     "gelu": "MLP activation", "mlp-gemm-2": "second MLP GEMM (ffn -> h)",
     "post-mlp-dropout": "dropout after the MLP",
+    "1st-rmsnorm": "RMSNorm before attention", "2nd-rmsnorm": "RMSNorm before the MLP",
+    "rotary": "rotary position embedding of q and k",
+    "fused-attention": "softmax(Q.K^T)V in one kernel (no s x s tensors kept)",
+    "swiglu": "MLP activation silu(gate) * up",
 })
 
 _PLAN_TERMS = (
@@ -67,8 +74,10 @@ def format_legend() -> str:
     """What every heading and abbreviation of the plan table and the simulation means."""
     lines = ["Plan table (tools/search_hpp.py, tools/show_plan.py):"]
     lines += [f"  {k:<17} " + v.replace("\n", "\n" + " " * 20) for k, v in _PLAN_TERMS]
-    lines.append("Recomputed operators (one transformer layer has 13 ops):")
+    lines.append("Recomputed operators (one GPT layer has these 13 ops):")
     lines += [f"  {OP_ABBREV[op]:<5} {op:<18} {OP_NAMES[op]}" for op in LAYER_OPS]
+    lines.append("  other layer kinds (model norm rmsnorm, position rope, attention fused, swiglu):")
+    lines += [f"  {OP_ABBREV[op]:<5} {op:<18} {OP_NAMES[op]}" for op in KNOWN_LAYER_OPS if op not in LAYER_OPS]
     lines.append("Simulated iteration (tools/show_plan.py; times in ms):")
     lines += [f"  {k:<17} {v}" for k, v in _SIM_TERMS]
     lines.append("Short forms elsewhere: tp, dp, pp = tensor-, data-, pipeline-parallel degree; "
@@ -97,7 +106,7 @@ def format_recompute(recompute: dict) -> str:
     items = [(op, n) for op, n in recompute.items() if n]
     if not items:
         return "None"
-    order = {op: i for i, op in enumerate(LAYER_OPS)}
+    order = {op: i for i, op in enumerate(KNOWN_LAYER_OPS)}
     items.sort(key=lambda item: order.get(item[0], len(order)))
     return ", ".join(f"{n} {OP_ABBREV.get(op, op)}" for op, n in items)
 

@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 allow_abbrev=False)
     p.add_argument("--model", required=True, help="model preset (eth.model.PRESETS)")
     p.add_argument("--seq", type=int, help="sequence length override")
+    p.add_argument("--attention", choices=("unfused", "fused"),
+                   help="attention op set override (default: the preset's; eth.model.ModelSpec.attention)")
     p.add_argument("--device-type", required=True, help="catalog / cluster device type to file the profile under")
     p.add_argument("--mbs", default="1,2,4", help="comma-separated micro-batch sizes")
     p.add_argument("--tp", default="1", help="comma-separated tp degrees")
@@ -55,7 +57,7 @@ def _main(argv=None) -> int:
 
     if args.seq is not None and args.seq <= 0:
         raise SpecError(f"--seq must be positive, got {args.seq}")
-    model = get_model(args.model, seq_len=args.seq)
+    model = get_model(args.model, seq_len=args.seq, attention=args.attention)
     mbs, tp = int_list(args.mbs), int_list(args.tp)
     sizes = int_list(args.collective_sizes) if args.collective_sizes else None
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -91,7 +93,7 @@ def _main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=len(mbs) * len(tp) * len(profiler.ALL_OPS), file=sys.stderr, unit="op",
+    bar = tqdm(total=len(mbs) * len(tp) * len(profiler.all_ops(model)), file=sys.stderr, unit="op",
                disable=args.no_progress, leave=False)
     try:
         entries = profiler.measure_entries(

@@ -51,11 +51,11 @@ STALE_TOLERANCE = 0.2
 def model_flops_per_sample(spec) -> float:
     """Forward + backward FLOPs of one sample through the whole model, as the planner
     counts them (``eth.model.op_shapes`` at mbs 1, tp 1; backward = 2x forward)."""
-    from eth.model import LAYER_OPS, POST_OPS, PRE_OPS, op_shapes
+    from eth.model import layer_ops, op_shapes, post_ops, pre_ops
 
     ops = op_shapes(spec, 1, 1)
     total = lambda names: sum(ops[n].flops_fwd + ops[n].flops_bwd for n in names)  # noqa: E731
-    return spec.num_layers * total(LAYER_OPS) + total(PRE_OPS) + total(POST_OPS)
+    return spec.num_layers * total(layer_ops(spec)) + total(pre_ops(spec)) + total(post_ops(spec))
 
 
 def peak_memory_bytes(device) -> tuple[float, str]:

@@ -1,12 +1,16 @@
-"""A GPT pipeline stage built from megatron.core.tensor_parallel layers, op by op.
+"""A GPT / LLaMA pipeline stage built from megatron.core.tensor_parallel layers, op by op.
 
 A stage holds transformer layers [start, end) of the model, plus the embedding (word
 + learned position, vocab-parallel word table) on a pipeline's first stage and the
-final layernorm, untied vocab-parallel output layer and vocab-parallel cross entropy
-on its last stage.  Activations are [seq, batch, hidden] (Megatron's layout).
+final norm, untied vocab-parallel output layer and vocab-parallel cross entropy
+on its last stage.  Activations are [seq, batch, hidden] (Megatron's layout).  The
+spec's options (``eth.model.ModelSpec``: norm, position, bias, attention, swiglu,
+kv_heads) pick the layer's pieces; the LLaMA ones (RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU) and fused attention live in :mod:`megatron.hpp.llama`.
 
-Each transformer layer runs the 13 ops of ``eth.model.LAYER_OPS`` as separate
-callables (:attr:`Layer.OPS`), so that single ops can be recomputed:
+Each transformer layer runs the ops of ``eth.model.layer_ops(spec)`` (the 13 of
+``eth.model.LAYER_OPS`` for a GPT) as separate callables (:func:`op_table`,
+``Layer.OPS``), so that single ops can be recomputed:
 ``stage.recompute[op] = n`` recomputes ``op`` in the stage's first n layers.  In a
 layer, each maximal run of consecutive recomputed ops (``eth.cost.recompute_runs``)
 is ONE non-reentrant ``torch.utils.checkpoint`` (RNG states, including megatron's
@@ -15,8 +19,9 @@ assumption (``eth.cost.CostModel._recompute_savings``).
 
 Weights do not depend on the plan: every full parameter is drawn from a generator
 seeded by (seed, logical name) and each tp rank keeps its slice
-(:func:`full_parameter`, :class:`ShardSpec`).  The fused qkv output is ordered
-(head, q/k/v, head_dim) so that a contiguous tp slice holds whole heads.
+(:func:`full_parameter`, :class:`ShardSpec`).  The fused qkv output is ordered by
+key/value group (its query heads, key, value; (head, q/k/v, head_dim) for multi-head
+attention) so that a contiguous tp slice holds whole groups.
 """
 from __future__ import annotations
 
@@ -29,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eth.model import ModelSpec
+from eth.model import ModelSpec, get_model, layer_ops
 from eth.params import (ShardSpec, all_specs, embedding_specs, head_specs,  # noqa: F401 (re-exported)
                         layer_specs)
+from megatron.hpp import llama
 from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
 
 INIT_STD = 0.02
@@ -75,38 +81,58 @@ def _rng_replay(tracker, saved: dict, replay: bool):
         tracker.set_states(current)
 
 
-class Layer(torch.nn.Module):
-    """One transformer layer as 13 op callables over named tensors."""
+def op_table(spec: ModelSpec) -> tuple:
+    """(op name, method, input names, output name) of every layer op of ``spec``, in
+    ``eth.model.layer_ops`` order; "x" is the layer input, "out" its output."""
+    names = layer_ops(spec)
+    qkv = "qkv_r" if "rotary" in names else "qkv"
+    table = {"1st-layernorm": ("op_ln1", ("x",), "a"), "1st-rmsnorm": ("op_ln1", ("x",), "a"),
+             "qkv": ("op_qkv", ("a",), "qkv"), "rotary": ("op_rotary", ("qkv",), "qkv_r"),
+             "score": ("op_score", (qkv,), "scores"), "softmax": ("op_softmax", ("scores",), "probs"),
+             "attn-dropout": ("op_attn_dropout", ("probs",), "probs_d"),
+             "context": ("op_context", ("probs_d", qkv), "ctx"),
+             "fused-attention": ("op_fused_attention", (qkv,), "ctx"),
+             "attn-dense": ("op_attn_dense", ("ctx",), "attn"),
+             "post-attn-dropout": ("op_post_attn_dropout", ("x", "attn"), "x2"),
+             "2nd-layernorm": ("op_ln2", ("x2",), "m"), "2nd-rmsnorm": ("op_ln2", ("x2",), "m"),
+             "mlp-gemm-1": ("op_fc1", ("m",), "f1"), "gelu": ("op_gelu", ("f1",), "g"),
+             "swiglu": ("op_swiglu", ("f1",), "g"), "mlp-gemm-2": ("op_fc2", ("g",), "f2"),
+             "post-mlp-dropout": ("op_post_mlp_dropout", ("x2", "f2"), "out")}
+    return tuple((name,) + table[name] for name in names)
 
-    # (op name, method, input names, output name); "x" is the layer input.
-    OPS = (("1st-layernorm", "op_ln1", ("x",), "a"), ("qkv", "op_qkv", ("a",), "qkv"),
-           ("score", "op_score", ("qkv",), "scores"), ("softmax", "op_softmax", ("scores",), "probs"),
-           ("attn-dropout", "op_attn_dropout", ("probs",), "probs_d"),
-           ("context", "op_context", ("probs_d", "qkv"), "ctx"),
-           ("attn-dense", "op_attn_dense", ("ctx",), "attn"),
-           ("post-attn-dropout", "op_post_attn_dropout", ("x", "attn"), "x2"),
-           ("2nd-layernorm", "op_ln2", ("x2",), "m"), ("mlp-gemm-1", "op_fc1", ("m",), "f1"),
-           ("gelu", "op_gelu", ("f1",), "g"), ("mlp-gemm-2", "op_fc2", ("g",), "f2"),
-           ("post-mlp-dropout", "op_post_mlp_dropout", ("x2", "f2"), "out"))
+
+class Layer(torch.nn.Module):
+    """One transformer layer as op callables over named tensors (:func:`op_table`)."""
+
+    OPS = op_table(get_model("tiny"))
+    """The GPT op table (the instance's ``OPS`` is its spec's)."""
 
     def __init__(self, spec: ModelSpec, index: int, tp_group, tracker, recompute: frozenset):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
         h, f, cfg, tp = spec.hidden, spec.ffn, _config(), tp_group.size()
+        spec.check_tp(tp)
         self.index, self.tracker, self.recompute, self.dropout = index, tracker, recompute, spec.dropout
-        self.segments = self.plan_segments(recompute)
+        self.OPS = op_table(spec)
+        self.segments = self.plan_segments(recompute, self.OPS)
         self._op_by_name = {op[0]: op for op in self.OPS}
         self.local_heads, self.head_dim = spec.heads // tp, spec.head_dim
-        self.ln1 = torch.nn.LayerNorm(h, eps=LN_EPS)
-        self.qkv = ColumnParallelLinear(h, 3 * h, config=cfg, init_method=_no_init, bias=True,
+        self.local_groups, self.group = spec.kv_heads // tp, spec.heads // spec.kv_heads
+        qkv_width = h + 2 * spec.kv_heads * spec.head_dim
+        bias = spec.bias
+        self.ln1 = llama.norm(spec, LN_EPS)
+        self.qkv = ColumnParallelLinear(h, qkv_width, config=cfg, init_method=_no_init, bias=bias,
                                         gather_output=False, tp_group=tp_group)
-        self.dense = RowParallelLinear(h, h, config=cfg, init_method=_no_init, bias=True,
+        self.dense = RowParallelLinear(h, h, config=cfg, init_method=_no_init, bias=bias,
                                        input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
-        self.ln2 = torch.nn.LayerNorm(h, eps=LN_EPS)
-        self.fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=True,
+        self.ln2 = llama.norm(spec, LN_EPS)
+        self.fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
                                         gather_output=False, tp_group=tp_group)
-        self.fc2 = RowParallelLinear(f, h, config=cfg, init_method=_no_init, bias=True,
+        if spec.swiglu:   # the up projection: mlp-gemm-1 outputs [gate, up]
+            self.fc1_up = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
+                                               gather_output=False, tp_group=tp_group)
+        self.fc2 = RowParallelLinear(f, h, config=cfg, init_method=_no_init, bias=bias,
                                      input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
 
     def op_ln1(self, x):
@@ -115,19 +141,14 @@ class Layer(torch.nn.Module):
     def op_qkv(self, a):
         return self.qkv(a)[0]
 
-    def _split(self, qkv):
-        s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(3)
-        return [t.permute(1, 2, 0, 3) for t in (q, k, v)]  # [b, heads, s, head_dim]
+    def op_rotary(self, qkv):
+        return llama.rotate_qk(qkv, self.local_groups, self.group, self.head_dim)
 
     def op_score(self, qkv):
-        q, k, _ = self._split(qkv)
-        return torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        return llama.scores(qkv, self.local_groups, self.group, self.head_dim)
 
     def op_softmax(self, scores):
-        s = scores.shape[-1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
-        return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        return llama.causal_softmax(scores)
 
     def op_attn_dropout(self, probs):
         if not (self.training and self.dropout > 0):
@@ -136,10 +157,14 @@ class Layer(torch.nn.Module):
             return F.dropout(probs, self.dropout, training=True)
 
     def op_context(self, probs, qkv):
-        v = self._split(qkv)[2]
-        ctx = torch.matmul(probs, v)  # [b, heads, s, head_dim]
-        b, n, s, d = ctx.shape
-        return ctx.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        return llama.context(probs, qkv, self.local_groups, self.group, self.head_dim)
+
+    def op_fused_attention(self, qkv):
+        args = (qkv, self.local_groups, self.group, self.head_dim, self.dropout, self.training)
+        if not (self.training and self.dropout > 0):
+            return llama.fused_attention(*args)
+        with self.tracker.fork(MODEL_PARALLEL_RNG):  # as attn-dropout: own heads, own mask
+            return llama.fused_attention(*args)
 
     def op_attn_dense(self, ctx):
         return self.dense(ctx)[0]
@@ -151,10 +176,15 @@ class Layer(torch.nn.Module):
         return self.ln2(x2)
 
     def op_fc1(self, m):
+        if hasattr(self, "fc1_up"):
+            return torch.cat([self.fc1(m)[0], self.fc1_up(m)[0]], dim=-1)
         return self.fc1(m)[0]
 
     def op_gelu(self, f1):
         return F.gelu(f1)
+
+    def op_swiglu(self, f1):
+        return llama.swiglu(f1)
 
     def op_fc2(self, g):
         return self.fc2(g)[0]
@@ -168,21 +198,23 @@ class Layer(torch.nn.Module):
         return lambda: (_rng_replay(self.tracker, saved, False), _rng_replay(self.tracker, saved, True))
 
     @classmethod
-    def plan_segments(cls, recompute) -> list[tuple[tuple, tuple, tuple]]:
+    def plan_segments(cls, recompute, table=None) -> list[tuple[tuple, tuple, tuple]]:
         """The layer's forward as segments (ops, input names, output names).
 
         A maximal run of consecutive recomputed ops (``eth.cost.recompute_runs``, the
         cost model's unit) is one segment, run under ONE checkpoint: it keeps only the
         run's inputs (tensors produced before it) and frees everything its ops save.
         Every other op is a segment of its own, run plainly.  Outputs are the names the
-        segment produces that a later op (or the layer output "out") reads."""
+        segment produces that a later op (or the layer output "out") reads.  ``table``:
+        the layer's :func:`op_table` (the GPT one by default)."""
         from eth.cost import recompute_runs
 
-        runs = {run[0]: tuple(run) for run in recompute_runs(set(recompute))}
-        by_name = {op[0]: op for op in cls.OPS}
+        table = cls.OPS if table is None else table
+        runs = {run[0]: tuple(run) for run in recompute_runs(set(recompute), [op[0] for op in table])}
+        by_name = {op[0]: op for op in table}
         segments, i = [], 0
-        while i < len(cls.OPS):
-            name = cls.OPS[i][0]
+        while i < len(table):
+            name = table[i][0]
             ops = runs.get(name, (name,))
             produced, inputs = [], []
             for op in ops:
@@ -190,7 +222,7 @@ class Layer(torch.nn.Module):
                     if n not in produced and n not in inputs:
                         inputs.append(n)
                 produced.append(by_name[op][3])
-            later = {n for op in cls.OPS[i + len(ops):] for n in op[2]} | {"out"}
+            later = {n for op in table[i + len(ops):] for n in op[2]} | {"out"}
             outputs = tuple(n for n in produced if n in later)
             segments.append((ops, tuple(inputs), outputs))
             i += len(ops)
@@ -236,7 +268,8 @@ class GPTStage(torch.nn.Module):
         if first:
             self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, config=cfg,
                                                init_method=_no_init, tp_group=tp_group)
-            self.pos = torch.nn.Parameter(torch.empty(spec.seq_len, spec.hidden))
+            if spec.position == "learned":
+                self.pos = torch.nn.Parameter(torch.empty(spec.seq_len, spec.hidden))
             self.shard_specs.update(embedding_specs(spec))
         self.layers = torch.nn.ModuleList()
         for i, layer in enumerate(range(start, end)):
@@ -244,7 +277,7 @@ class GPTStage(torch.nn.Module):
             self.layers.append(Layer(spec, layer, tp_group, tracker, ops))
             self.shard_specs.update({f"layers.{i}.{k}": v for k, v in layer_specs(spec, layer).items()})
         if last:
-            self.ln = torch.nn.LayerNorm(spec.hidden, eps=LN_EPS)
+            self.ln = llama.norm(spec, LN_EPS)
             self.out = ColumnParallelLinear(spec.hidden, spec.vocab, config=cfg, init_method=_no_init,
                                             bias=False, gather_output=False, tp_group=tp_group)
             self.shard_specs.update(head_specs(spec))
@@ -261,7 +294,9 @@ class GPTStage(torch.nn.Module):
 
     def embed(self, tokens):
         """tokens [b, s] -> hidden [s, b, h]."""
-        x = self.word(tokens) + self.pos[: tokens.shape[1]].unsqueeze(0)
+        x = self.word(tokens)
+        if self.spec.position == "learned":
+            x = x + self.pos[: tokens.shape[1]].unsqueeze(0)
         return F.dropout(x.transpose(0, 1).contiguous(), self.spec.dropout, training=self.training)
 
     def head_loss(self, x, labels, loss_scale: float):

@@ -1,13 +1,15 @@
-"""Measured op profiles: every op of ``eth.model.ALL_OPS`` timed and sized on this device.
+"""Measured op profiles: every op of ``eth.model.all_ops(spec)`` timed and sized on this device.
 
 :func:`measure_entries` runs, for each (mbs, tp) and op, the *runtime's own* op code;
 :func:`profile_dict` wraps the entries into a profile in the format of
 ``eth.profiles`` ("source": "measured"); :func:`merge_profiles` merges it into an
 existing measured file.  What is measured and how:
 
-* Op modules.  The 13 layer ops are the methods of :class:`megatron.hpp.model.Layer`
-  (``Layer.OPS``: same boundaries, inputs and outputs as in training); ``embedding`` is
-  ``GPTStage.embed``; ``final-layernorm`` is ``GPTStage.ln``; ``head+loss`` is the rest of
+* Op modules.  The layer ops (the 13 of a GPT; with RMSNorm, rotary embeddings,
+  grouped-query attention, SwiGLU or fused attention those of ``eth.model.layer_ops``)
+  are the methods of :class:`megatron.hpp.model.Layer` (its ``OPS``: same boundaries,
+  inputs and outputs as in training); ``embedding`` is ``GPTStage.embed``; the final
+  norm (``final-layernorm`` / ``final-rmsnorm``) is ``GPTStage.ln``; ``head+loss`` is the rest of
   ``GPTStage.head_loss`` (output layer + ``vocab_parallel_cross_entropy`` + per-sample
   mean, written out in :func:`_head_loss`; ``tests/runtime/test_profile_ops.py`` checks
   that the composed ops reproduce ``GPTStage.forward``).  For tp > 1 the modules are
@@ -63,8 +65,8 @@ from dataclasses import dataclass
 import torch
 
 from eth.errors import SpecError
-from eth.model import ACT_BYTES, ALL_OPS, ModelSpec, op_shapes
-from eth.profiles import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS, DeviceProfile
+from eth.model import ACT_BYTES, ModelSpec, all_ops, op_shapes, post_ops
+from eth.profiles import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS, DeviceProfile, entry_shape
 
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -81,7 +83,7 @@ class ProfileConfig:
     """What to measure (validated on construction)."""
 
     model: ModelSpec
-    """Model shape; the runtime supports multi-head attention + GELU only."""
+    """Model shape (any the runtime builds: GPT or LLaMA layers, unfused or fused attention)."""
     device_type: str
     """Catalog / cluster device type name the profile is filed under."""
     mbs: tuple
@@ -107,10 +109,6 @@ class ProfileConfig:
             raise SpecError(f"tp must be positive integers, got {list(self.tp)}")
         for t in self.tp:
             self.model.check_tp(t)
-        if self.model.kv_heads != self.model.heads or self.model.swiglu:
-            raise SpecError(f"model {self.model.name} has kv_heads {self.model.kv_heads} (heads "
-                            f"{self.model.heads}), swiglu {self.model.swiglu}: the runtime's GPT stage "
-                            f"has multi-head attention + GELU only, so its ops cannot be measured")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.repeats < 1 or self.warmup < 0:
@@ -227,7 +225,7 @@ class _Op:
 
 
 def build_ops(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int):
-    """(ops in ALL_OPS order, stage, layer): the runtime's modules for one rank of ``tp``.
+    """(ops in ``all_ops(spec)`` order, stage, layer): the runtime's modules for one rank of ``tp``.
 
     Needs an initialised torch.distributed (see :func:`_initialised_default_group`).
     """
@@ -250,10 +248,10 @@ def build_ops(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype
     lp = list(layer.parameters())
     ops = [_Op("embedding", stage.embed, ("tokens",), "x", list(stage.parameters()))]
     ops += [_Op(n, getattr(layer, m), ins, out, lp) for n, m, ins, out in layer.OPS]
-    ops += [_Op("final-layernorm", stage.ln, ("out",), "y", list(stage.parameters())),
+    ops += [_Op(post_ops(spec)[0], stage.ln, ("out",), "y", list(stage.parameters())),
             _Op("head+loss", lambda y, labels: _head_loss(stage, y, labels), ("y", "labels"), "loss",
                 list(stage.parameters()))]
-    assert tuple(o.name for o in ops) == ALL_OPS
+    assert tuple(o.name for o in ops) == all_ops(spec)
     return ops, stage, layer
 
 
@@ -443,8 +441,8 @@ def merge_profiles(old: dict, new: dict, where: str = "output") -> dict:
     """``new``'s model shapes and collective tables replace the same ones in ``old``;
     other shapes (each with its own provenance) are kept."""
     check_merge_target(old, new["device"], where)
-    shapes = {tuple(m["shape"][f] for f in SHAPE_FIELDS) for m in new["models"]}
-    models = [m for m in old["models"] if tuple(m["shape"][f] for f in SHAPE_FIELDS) not in shapes]
+    shapes = {entry_shape(m["shape"]) for m in new["models"]}
+    models = [m for m in old["models"] if entry_shape(m["shape"]) not in shapes]
     merged = dict(old, provenance=new["provenance"], models=models + new["models"])
     colls = {k: dict(v) for k, v in (old.get("collectives") or {}).items()}
     for kind, table in (new.get("collectives") or {}).items():
@@ -532,7 +530,7 @@ def summary_table(cfg: ProfileConfig, entries: list[dict]) -> str:
     scale = DTYPE_BYTES[cfg.dtype] / ACT_BYTES
     lines = [f"{cfg.model.name} on {cfg.device_type} ({cfg.dtype}), mbs {mbs}, tp {tp}:",
              f"{'op':<18}{'fwd ms':>10}{'bwd ms':>10}{'act MB':>10}{'fwd/an':>9}{'act/an':>9}"]
-    for op in ALL_OPS:
+    for op in all_ops(cfg.model):
         fwd, bwd, _, act = entry["ops"][op][:4]
         r_fwd = f"{fwd / analytic[op][0]:.2f}" if analytic else "-"
         an_act = shapes[op].act_bytes * scale

@@ -48,8 +48,9 @@ def reference_lr(it, lr, min_lr, warmup, iters):
 
 
 def train_reference(spec, gbs, iters, seed=1234, lr=1e-3, weight_decay=0.01, clip=1.0,
-                    min_lr=None, warmup=0):
-    """Returns (losses, full parameters) after ``iters`` AdamW steps on whole global batches."""
+                    min_lr=None, warmup=0, forward=None):
+    """Returns (losses, full parameters) after ``iters`` AdamW steps on whole global batches
+    (``forward``: the model's loss function, :func:`forward_loss` by default)."""
     specs = all_specs(spec)
     p = {sp.name: full_parameter(spec, sp, seed).requires_grad_(True) for sp in specs}
     groups = [{"params": [p[s.name] for s in specs if len(s.full_shape) > 1], "weight_decay": weight_decay},
@@ -60,7 +61,7 @@ def train_reference(spec, gbs, iters, seed=1234, lr=1e-3, weight_decay=0.01, cli
         for group in opt.param_groups:
             group["lr"] = reference_lr(it, lr, min_lr, warmup, iters)
         opt.zero_grad(set_to_none=True)
-        loss = forward_loss(spec, p, batch(data, it, 0, gbs))
+        loss = (forward or forward_loss)(spec, p, batch(data, it, 0, gbs))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(p.values()), clip)
         opt.step()
