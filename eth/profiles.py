@@ -67,6 +67,7 @@ COLLECTIVE_ALPHA_MS = 0.005  # per-step latency of a ring collective / p2p messa
 DEFAULT_MBS = (1, 2, 4, 8, 16, 32)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DEFAULT_TP = (1, 2, 4, 8)
+EMULATION_BASE = "cpu"        # profile that CPU-emulated device types (emulate_speed > 0) scale
 
 
 @dataclass(frozen=True)
@@ -304,16 +305,45 @@ class ProfileDB:
         return db
 
     def ensure(self, model: ModelSpec, device_types, mbs=DEFAULT_MBS, tp=DEFAULT_TP) -> list[str]:
-        """Add analytic entries for device types that lack ``model``; returns their names."""
+        """Add entries for device types that lack ``model``; returns the names of those that
+        got analytic ones.  A CPU-emulated type (``emulate_speed`` > 0) without a profile of
+        its own gets the ``cpu`` profile's entries for ``model`` with op times / speed
+        (:func:`emulated_profile`: the runtime stretches that type's compute by 1 / speed)."""
         added = []
+        base = self.profiles.get(EMULATION_BASE)
         for dt in device_types:
             prof = self.profiles.get(dt.name)
             if prof is not None and shape_key(model) in prof.shapes():
+                continue
+            if (prof is None and dt.emulate_speed > 0 and base is not None
+                    and shape_key(model) in base.shapes()):
+                self.add(DeviceProfile(emulated_profile(base.data, model, dt.name, dt.emulate_speed),
+                                       where=f"{base.where} / {dt.emulate_speed:g}"))
                 continue
             data = prof.data if prof is not None else None
             self.add(DeviceProfile(analytic_profile(dt, [model], mbs, tp, base=data)))
             added.append(dt.name)
         return added
+
+
+def emulated_profile(base: dict, model: ModelSpec, name: str, speed: float) -> dict:
+    """The profile of CPU-emulated device type ``name``: ``base`` (the ``cpu`` profile, one
+    process on one core) restricted to ``model``'s shape, every op time divided by
+    ``speed`` (what ``megatron.hpp.schedule.ComputeClock`` does to that type's compute);
+    sizes, reserved bytes and collective tables (same machine) unchanged."""
+    key = shape_key(model)
+    models = []
+    for m in base["models"]:
+        if entry_shape(m["shape"]) != key:
+            continue
+        entries = [dict(e, ops={op: [v[0] / speed, v[1] / speed, *v[2:]] for op, v in e["ops"].items()})
+                   for e in m["entries"]]
+        models.append(dict(m, entries=entries))
+    data = dict(base, device=name, models=models)
+    data["provenance"] = dict(base.get("provenance") or {},
+                              derived_from=f"{base['device']} profile ({base['source']}), op times / "
+                                           f"emulate_speed {speed:g}")
+    return data
 
 
 def load_profile(path) -> DeviceProfile:

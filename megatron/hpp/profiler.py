@@ -20,10 +20,14 @@ existing measured file.  What is measured and how:
 * Inputs.  One forward of embedding -> layer -> final layernorm on a random
   micro-batch ([seq, mbs, hidden] activations) gives every op realistic inputs; each
   measurement feeds the op fresh leaf copies (float inputs require grad).
-* fwd_ms / bwd_ms: median over ``repeats`` runs after ``warmup`` runs; the backward is
+* fwd_ms / bwd_ms: median over ``repeats`` rounds after ``warmup`` rounds; a round runs
+  every op's forward once in model order, then every backward in reverse order
+  (:func:`time_in_sequence`: caches as a training step leaves them); the backward is
   ``torch.autograd.backward(output, random grad)`` (grads of inputs and parameters),
-  parameter grads reset to None before each run.  CUDA: CUDA events; CPU:
-  ``time.perf_counter``.
+  then every op's bwd is scaled so that they sum to the median time of ONE backward
+  through the chained ops (embedding -> layer -> head + loss, as in a step),
+  parameter grads reset to None before each run.  CUDA: CUDA events; CPU: the thread's
+  CPU time (``time.thread_time``) when torch runs one thread, else ``time.perf_counter``.
 * weight_bytes: bytes of the parameters (this tp rank's shard) that receive a gradient
   in the op's backward.
 * act_bytes: measured with ``torch.autograd.graph.saved_tensors_hooks``: the sum over
@@ -149,10 +153,14 @@ def device_type_warning(device_type: str, device: torch.device) -> str | None:
 
 
 class _Clock:
-    """Elapsed milliseconds of a region: CUDA events on a GPU, perf_counter on the CPU."""
+    """Elapsed milliseconds of a region: CUDA events on a GPU; on the CPU the thread's CPU
+    time when torch runs one thread (what the op costs on a dedicated core, whatever else
+    runs on the machine; the runtime's ``schedule.ComputeClock`` counts the same), else
+    perf_counter (always for collectives: ``cpu_time=False``, waiting is their cost)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_time: bool = True):
         self.cuda = device.type == "cuda"
+        self.now = time.thread_time if cpu_time and torch.get_num_threads() == 1 else time.perf_counter
 
     def start(self):
         if self.cuda:
@@ -160,14 +168,14 @@ class _Clock:
             self._a, self._b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._a.record()
         else:
-            self._t = time.perf_counter()
+            self._t = self.now()
 
     def stop(self) -> float:
         if self.cuda:
             self._b.record()
             self._b.synchronize()
             return float(self._a.elapsed_time(self._b))
-        return (time.perf_counter() - self._t) * 1e3
+        return (self.now() - self._t) * 1e3
 
 
 def _nbytes(t) -> int:
@@ -342,6 +350,64 @@ def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: i
             "workspace_bytes": workspace}
 
 
+def time_in_sequence(ops, env: dict, device: torch.device, repeats: int, warmup: int) -> dict:
+    """{op name: (fwd_ms, bwd_ms)}: medians over ``repeats`` rounds (after ``warmup``) in
+    which every op runs forward once, in model order, then backward once each, in
+    reverse order -- as in a training step, where an op finds the caches as the previous
+    op left them.  Timing one op many times in a row instead keeps its weights and inputs
+    hot and made the tiny model's layer ops about 2x faster on a CPU than the same ops
+    inside a stage's forward (bench/predictor_accuracy.py)."""
+    clock = _Clock(device)
+    fwd = {op.name: [] for op in ops}
+    bwd = {op.name: [] for op in ops}
+    grads = {}
+    for i in range(warmup + repeats):
+        done = []
+        for op in ops:
+            for p in op.params:
+                p.grad = None
+            args = _fresh(env, op.inputs)
+            clock.start()
+            out = op.fn(*args)
+            f = clock.stop()
+            done.append((op, args, out))
+            if i >= warmup:
+                fwd[op.name].append(f)
+        for op, args, out in reversed(done):
+            grad = grads.get(op.name)
+            if grad is None:
+                grad = grads[op.name] = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+            clock.start()
+            torch.autograd.backward(out, grad)
+            b = clock.stop()
+            if i >= warmup:
+                bwd[op.name].append(b)
+        del done
+    # One backward over the chained ops (embedding -> layer -> head + loss, as in a step)
+    # costs less than the ops' backwards called one by one (engine start per call, input
+    # gradients accumulated into leaf copies): scale every op's bwd by the ratio.
+    chained = []
+    for i in range(warmup + repeats):
+        for op in ops:
+            for p in op.params:
+                p.grad = None
+        run = {n: env[n] for n in ("tokens", "labels")}
+        for op in ops:
+            run[op.output] = op.fn(*[run[n] for n in op.inputs])
+        clock.start()
+        torch.autograd.backward(run[ops[-1].output])
+        b = clock.stop()
+        if i >= warmup:
+            chained.append(b)
+        del run
+    for op in ops:
+        for p in op.params:
+            p.grad = None
+    bwd_ms = {name: statistics.median(v) for name, v in bwd.items()}
+    scale = statistics.median(chained) / max(sum(bwd_ms.values()), 1e-12)
+    return {name: (statistics.median(fwd[name]), bwd_ms[name] * scale) for name in fwd}
+
+
 def _context_bytes(device: torch.device) -> float:
     free, total = torch.cuda.mem_get_info(device)
     return float(max(total - free - torch.cuda.memory_reserved(device), 0))
@@ -368,11 +434,13 @@ def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, prog
                 env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
                 rows, workspace, held = {}, 0.0, set()
                 for op in ops:
-                    m = measure_op(op, env, device, cfg.repeats, cfg.warmup, held)
+                    m = measure_op(op, env, device, 1, 0, held)   # sizes; times: time_in_sequence
                     rows[op.name] = [m[f] for f in OP_FIELDS]
                     workspace = max(workspace, m["workspace_bytes"])
                     if progress is not None:
                         progress(mbs, tp, op.name)
+                for name, (fwd, bwd) in time_in_sequence(ops, env, device, cfg.repeats, cfg.warmup).items():
+                    rows[name][0], rows[name][1] = fwd, bwd
                 entry = {"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": rows}
                 if device.type == "cuda":
                     context = _context_bytes(device)
@@ -400,7 +468,8 @@ def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
         "torch": torch.__version__, "megatron_core": mcore, "cuda": torch.version.cuda if cuda else None,
         "dtype": cfg.dtype, "dtype_bytes": DTYPE_BYTES[cfg.dtype],
         "repeats": cfg.repeats, "warmup": cfg.warmup, "statistic": "median",
-        "timer": "CUDA events" if cuda else "time.perf_counter",
+        "timer": "CUDA events" if cuda else ("time.thread_time (thread CPU time)" if torch.get_num_threads() == 1
+                                             else "time.perf_counter"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
         "op_modules": "megatron.hpp.model Layer / GPTStage at one tp rank's shard shapes "
@@ -463,7 +532,7 @@ def measure_collectives(device: torch.device, sizes=DEFAULT_COLLECTIVE_SIZES, re
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
         raise SpecError(f"--collectives needs a world size >= 2 (torchrun), WORLD_SIZE is {world}")
-    clock, out = _Clock(device), {k: {} for k in COLLECTIVE_KINDS}
+    clock, out = _Clock(device, cpu_time=False), {k: {} for k in COLLECTIVE_KINDS}
 
     def timed(run):
         for _ in range(warmup):

@@ -128,3 +128,24 @@ def test_collective_alpha_beta():
     assert collective_ms("all_reduce", 4, 2000, 8, prof) == pytest.approx(1.5)
     assert collective_ms("all_reduce", 4, 5000, 8, prof) == pytest.approx(3.0)
     assert collective_ms("all_reduce", 2, 1e6, 8, prof) == pytest.approx(1 + 2 * COLLECTIVE_ALPHA_MS)
+
+
+def test_emulated_cpu_types_scale_the_cpu_profile():
+    from dataclasses import replace
+
+    base = flat_profile()
+    base["provenance"] = {"dtype_bytes": 4}
+    db = ProfileDB({"cpu": DeviceProfile(base)})
+    cpu = catalog()["cpu"]
+    slow, plain = replace(cpu, name="cpu-slow", emulate_speed=0.25), replace(cpu, name="cpu-2")
+    # the emulated type is derived from the cpu profile (not analytic); the plain one is analytic
+    assert db.ensure(TINY, [slow, plain]) == ["cpu-2"]
+    derived, orig = db.layer_costs("cpu-slow", TINY, 2, 2)[0], db.layer_costs("cpu", TINY, 2, 2)[0]
+    for op in orig:
+        assert derived[op].fwd_ms == pytest.approx(orig[op].fwd_ms / 0.25)
+        assert derived[op].bwd_ms == pytest.approx(orig[op].bwd_ms / 0.25)
+        assert derived[op].act_bytes == orig[op].act_bytes and derived[op].weight_bytes == orig[op].weight_bytes
+    prof = db.get("cpu-slow")
+    assert prof.source == "test" and prof.dtype_bytes == 4 and "0.25" in prof.data["provenance"]["derived_from"]
+    # a model the cpu profile lacks: the emulated type falls back to analytic entries
+    assert db.ensure(get_model("small"), [replace(cpu, name="cpu-b", emulate_speed=0.5)]) == ["cpu-b"]

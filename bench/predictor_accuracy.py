@@ -1,0 +1,315 @@
+"""Cost-model predictions against runs of the runtime on this machine (issue 10 item 5).
+
+    OMP_NUM_THREADS=1 python bench/predictor_accuracy.py            # ~3-4 min on 2 cores
+
+1. Profiles the CPU with ``tools/profile_ops.py`` (tiny model, fp32, mbs 1,2,4,8,16,
+   tp 1,2; thread CPU time, so other processes on the machine do not inflate it)
+   unless ``--profile FILE`` names a measured profile to use.
+2. Builds the configurations of :data:`CONFIGS` (tiny GPT, fp32, gbs 16; homogeneous
+   and heterogeneous through ``emulate_speed``, 1-3 pipelines, tp and dp stages, with
+   and without recompute), predicts each with ``eth.cost.CostModel`` from that profile
+   (emulated types: the ``cpu`` profile / speed, ``eth.profiles.emulated_profile``), and
+   runs it under torchrun on gloo (one launch per configuration, this file's
+   ``--worker`` mode: ``megatron.hpp.training.Trainer``, synthetic data).
+3. Prints and writes (``bench/results/predictor_accuracy.md`` and ``.json``, with the
+   command, the commit and the load average before and after every run) predicted vs
+   measured:
+
+   * iteration time: Eq. 5 (``plan.predicted["iteration_ms"]``) vs the median wall time
+     of the steady iterations (after ``--warmup`` iterations);
+   * compute per pipeline: sum over its micro-batches of the slowest stage's forward +
+     backward (op times + recompute, without tp collectives and p2p) vs the runtime's
+     ``compute ms`` (``schedule.ComputeClock``: thread CPU time / emulate_speed, max over
+     the pipeline's ranks), median over steady iterations;
+   * memory per rank: the cost model's model states + in-flight activations (its
+     ``reserved_bytes``, a fixed allowance for the framework, left out) vs the peak of
+     the bytes the process's tensors hold, measured with ``torch.profiler``
+     (``profile_memory``: every CPU allocation and free from before the model is built
+     to the end of the second iteration).
+
+The emulated device types run at ``emulate_speed`` <= 0.25 so that all ranks' compute
+together needs at most about one core of the two, and sleeps (not contention) set the
+pace; the time errors are still only as good as the machine is quiet, which is why
+every figure carries the load average it was taken under.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GBS = 16
+SPEED_A, SPEED_B = 0.25, 0.1   # emulated "fast" and "slow" CPU device types (2.5 : 1)
+RESULTS = ROOT / "bench" / "results"
+
+
+def _cluster(groups, name):
+    """groups: [(type, ranks)] -> cluster dict, one node per group."""
+    from eth.cluster import Cluster
+
+    return Cluster.from_dict({
+        "name": name, "inter_node_gbps": 10,
+        "device_types": {"cpu-a": {"base": "cpu", "emulate_speed": SPEED_A},
+                         "cpu-b": {"base": "cpu", "emulate_speed": SPEED_B}},
+        "nodes": [{"type": t, "devices_per_node": n} for t, n in groups]})
+
+
+def _plan(name, groups, pipelines, zero_stage=0):
+    """pipelines: [(mbs, lbs, [(ranks, type, tp, dp, (l0, l1), recompute)])]."""
+    from eth.model import get_model
+    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.precision import TrainSetup
+
+    pipes = [PipelinePlan(mbs, lbs, [StagePlan(list(r), t, tp, dp, tuple(layers), dict(rec))
+                                     for r, t, tp, dp, layers, rec in stages])
+             for mbs, lbs, stages in pipelines]
+    return Plan(model=get_model("tiny"), cluster=_cluster(groups, name), gbs=GBS, pipelines=pipes,
+                training=TrainSetup("fp32", zero_stage, "fp32"))
+
+
+FULL = {op: 4 for op in ("1st-layernorm", "qkv", "score", "softmax", "attn-dropout", "context",
+                         "attn-dense", "post-attn-dropout", "2nd-layernorm", "mlp-gemm-1", "gelu",
+                         "mlp-gemm-2", "post-mlp-dropout")}
+ATTN = {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 2}
+
+CONFIGS = {
+    # name: (description, plan builder)
+    "1st": ("1 pipeline, 1 stage (tp 1, dp 1), cpu-a", lambda: _plan(
+        "1st", [("cpu-a", 1)], [(4, 16, [([0], "cpu-a", 1, 1, (0, 4), {})])])),
+    "pp2-rec": ("1 pipeline, 2 stages 3+1 layers, recompute (attention, 2 layers) in stage 0, cpu-a", lambda: _plan(
+        "pp2", [("cpu-a", 2)], [(2, 16, [([0], "cpu-a", 1, 1, (0, 3), ATTN), ([1], "cpu-a", 1, 1, (3, 4), {})])])),
+    "tp2": ("1 pipeline, 1 stage tp 2, cpu-a", lambda: _plan(
+        "tp2", [("cpu-a", 2)], [(4, 16, [([0, 1], "cpu-a", 2, 1, (0, 4), {})])])),
+    "dp2-full": ("1 pipeline, 1 stage dp 2, full recompute, ZeRO 1, cpu-a", lambda: _plan(
+        "dp2", [("cpu-a", 2)], [(8, 16, [([0, 1], "cpu-a", 1, 2, (0, 4), FULL)])], zero_stage=1)),
+    "het-2pipes": ("2 pipelines: cpu-a (lbs 12); cpu-b (lbs 4)", lambda: _plan(
+        "het2", [("cpu-a", 1), ("cpu-b", 1)],
+        [(4, 12, [([0], "cpu-a", 1, 1, (0, 4), {})]), (4, 4, [([1], "cpu-b", 1, 1, (0, 4), {})])])),
+    "het-pp": ("1 pipeline: cpu-a stage (3 layers) -> cpu-b stage (1 layer)", lambda: _plan(
+        "hetpp", [("cpu-a", 1), ("cpu-b", 1)],
+        [(2, 16, [([0], "cpu-a", 1, 1, (0, 3), {}), ([1], "cpu-b", 1, 1, (3, 4), {})])])),
+    "het-3pipes": ("3 pipelines: cpu-a tp 2 (lbs 8); cpu-a (lbs 6); cpu-b 2 stages (lbs 2, recompute)", lambda: _plan(
+        "het3", [("cpu-a", 3), ("cpu-b", 2)],
+        [(4, 8, [([0, 1], "cpu-a", 2, 1, (0, 4), {})]),
+         (2, 6, [([2], "cpu-a", 1, 1, (0, 4), {})]),
+         (1, 2, [([3], "cpu-b", 1, 1, (0, 2), {"gelu": 2}), ([4], "cpu-b", 1, 1, (2, 4), {})])])),
+}
+
+
+# ----------------------------------------------------------------------------------
+# Predictions.
+
+def predict(plan, db) -> dict:
+    """Iteration ms (Eq. 5), per-pipeline compute ms, per-rank memory bytes (without reserved)."""
+    from eth.cost import CostModel
+
+    db.ensure(plan.model, plan.cluster.types.values())
+    cm = CostModel(plan.model, plan.cluster, db, plan.training)
+    ev = cm.annotate(plan)
+    compute, memory = [], {}
+    for p, pp in zip(plan.pipelines, ev["pipelines"]):
+        m = p.lbs // p.mbs
+        compute.append(m * max(c.fwd_ms + c.bwd_ms - c.comm_ms for c in pp["costs"]))
+        for st, c in zip(p.stages, pp["costs"]):
+            _, reserved = db.layer_costs(st.device_type, plan.model, p.mbs // st.dp, st.tp)
+            for r in st.ranks:
+                memory[r] = c.memory_bytes - reserved
+    return {"iteration_ms": ev["iteration_ms"], "compute_ms": compute,
+            "memory_bytes": [memory[r] for r in sorted(memory)]}
+
+
+# ----------------------------------------------------------------------------------
+# The worker (one process per rank under torchrun).
+
+def _peak_tensor_bytes(prof) -> float:
+    """Largest 'Total Allocated' of the profiler's CPU memory events: the bytes held by
+    tensors allocated since the profiler started, at their peak."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0]
+    return float(max(totals, default=0))
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron.hpp.training import Trainer, TrainConfig, prepare
+
+    total = args.warmup + args.iters
+    cfg = TrainConfig(plan=args.worker, train_iters=total, log_interval=total)
+    plan, layout, rank = prepare(cfg)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = Trainer(cfg, layout, rank)
+        results = [trainer.step(i) for i in range(2)]   # the peak: optimizer state exists from step 1
+    peak = _peak_tensor_bytes(prof)
+    del prof
+    results += [trainer.step(i) for i in range(2, total)]
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    if rank == 0:
+        steady = results[args.warmup:]
+        out = {"iteration_ms": statistics.median(r.elapsed_s for r in steady) * 1e3,
+               "iteration_ms_all": [r.elapsed_s * 1e3 for r in results],
+               "compute_ms": [statistics.median(r.compute_s[p] for r in steady) * 1e3
+                              for p in range(len(plan.pipelines))],
+               "memory_bytes": peaks, "torch_threads": torch.get_num_threads()}
+        Path(args.out).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------------
+# The driver.
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def profile_cpu(path: Path) -> str:
+    cmd = [sys.executable, str(ROOT / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type", "cpu",
+           "--mbs", "1,2,4,8,16", "--tp", "1,2", "--repeats", "20", "--no-progress", "-o", str(path)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
+    return shlex.join(["python"] + cmd[1:])
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_config(plan_path: Path, world: int, out: Path, warmup: int, iters: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(Path(__file__).resolve()), "--worker", str(plan_path), "--out", str(out),
+           "--warmup", str(warmup), "--iters", str(iters)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{plan_path.name}: torchrun exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _err(pred, meas) -> str:
+    return f"{(pred / meas - 1) * 100:+.1f}%" if meas else "n/a"
+
+
+def rows_for(name, desc, pred, meas, load) -> list[str]:
+    mib = 2 ** -20
+    comp = "; ".join(f"p{i} {p:.1f} / {m:.1f} ({_err(p, m)})"
+                     for i, (p, m) in enumerate(zip(pred["compute_ms"], meas["compute_ms"])))
+    mem = "; ".join(f"r{r} {p * mib:.2f} / {m * mib:.2f} ({_err(p, m)})"
+                    for r, (p, m) in enumerate(zip(pred["memory_bytes"], meas["memory_bytes"])))
+    return [f"| {name} | {desc} | {pred['iteration_ms']:.1f} / {meas['iteration_ms']:.1f} "
+            f"({_err(pred['iteration_ms'], meas['iteration_ms'])}) | {comp} | {mem} | {load} |"]
+
+
+def _commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return rev + (" (working tree has uncommitted changes)" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="measured cpu profile to use (default: measure one now)")
+    ap.add_argument("--only", help="comma-separated configuration names")
+    ap.add_argument("--warmup", type=int, default=3, help="iterations before the timed ones")
+    ap.add_argument("--iters", type=int, default=10, help="timed iterations (median kept)")
+    ap.add_argument("--out-dir", default=str(RESULTS), help="where predictor_accuracy.md/.json go")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.warmup < 2 or args.iters < 1:
+        print(f"error: --warmup must be >= 2 (memory is measured over the first 2 iterations) and "
+              f"--iters >= 1, got {args.warmup}, {args.iters}", file=sys.stderr)
+        return 2
+    from eth.profiles import ProfileDB
+
+    names = list(CONFIGS) if not args.only else [n.strip() for n in args.only.split(",")]
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        print(f"error: unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    command = "OMP_NUM_THREADS=1 python bench/predictor_accuracy.py " + shlex.join(argv or sys.argv[1:])
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if args.profile:
+            profile, prof_cmd = Path(args.profile), f"(given: {args.profile})"
+        else:
+            profile = tmp / "cpu.json"
+            load0 = loadavg()
+            prof_cmd = profile_cpu(profile) + f"   # load {load0} -> {loadavg()}"
+            print(f"profiled: {prof_cmd}", flush=True)
+        rows, records = [], []
+        for name in names:
+            desc, build = CONFIGS[name]
+            plan = build()
+            pred = predict(plan, ProfileDB.load(profile))
+            plan_path = tmp / f"{name}.json"
+            plan.save(plan_path)
+            load_before = loadavg()
+            meas = run_config(plan_path, plan.world_size, tmp / f"{name}.out.json", args.warmup, args.iters)
+            load = f"{load_before} -> {loadavg()}"
+            rows += rows_for(name, desc, pred, meas, load)
+            records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
+                            "loadavg": load})
+            print(rows[-1], flush=True)
+    header = ["| config | what | iteration ms pred / meas (err) | compute ms per pipeline pred / meas (err) "
+              "| tensor MiB per rank pred / meas (err) | loadavg before -> after |",
+              "|---|---|---|---|---|---|"]
+    errs_t = [r["predicted"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
+    errs_c = [p / m - 1 for r in records for p, m in zip(r["predicted"]["compute_ms"], r["measured"]["compute_ms"])]
+    errs_m = [p / m - 1 for r in records
+              for p, m in zip(r["predicted"]["memory_bytes"], r["measured"]["memory_bytes"])]
+    summary = (f"error range: iteration {min(errs_t):+.1%} .. {max(errs_t):+.1%}, compute per pipeline "
+               f"{min(errs_c):+.1%} .. {max(errs_c):+.1%}, memory per rank {min(errs_m):+.1%} .. {max(errs_m):+.1%}"
+               f" (err = predicted / measured - 1)")
+    text = "\n".join([
+        "# Predicted vs measured on this machine (bench/predictor_accuracy.py)", "",
+        f"command: `{command}`  ", f"commit: {_commit()}  ",
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, {time.time() - start:.0f} s, "
+        f"{os.cpu_count()} CPUs  ", f"profile: `{prof_cmd}`  ",
+        f"emulated types: cpu-a emulate_speed {SPEED_A}, cpu-b {SPEED_B}; tiny GPT, fp32, gbs {GBS}, "
+        f"{args.warmup} warm-up + {args.iters} timed iterations (medians)", "",
+        *header, *rows, "", summary, ""])
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from eth.fileio import atomic_write_text
+
+    atomic_write_text(out_dir / "predictor_accuracy.md", text)
+    atomic_write_text(out_dir / "predictor_accuracy.json", json.dumps(
+        {"command": command, "commit": _commit(), "profile": prof_cmd, "configs": records}, indent=1) + "\n")
+    print(summary)
+    print(f"wrote {out_dir / 'predictor_accuracy.md'} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
