@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from eth.cost import CostModel
 from eth.errors import InfeasibleError, SpecError
-from eth.model import LAYER_OPS
+from eth.model import LAYER_OPS, UNFUSED_ATTENTION_OPS, layer_ops
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.precision import TrainSetup
 from eth.planner.evaluate import Evaluator, PipeState, StageState
@@ -30,7 +30,16 @@ RECOMPUTE_MODES = (
     ("full", LAYER_OPS),
 )
 """Megatron-LM's recompute granularities, cheapest first: none, selective (core
-attention), full (every layer op); each applies to all layers of a stage."""
+attention), full (every layer op); each applies to all layers of a stage.  For a GPT
+with unfused attention; any model: :func:`recompute_modes`."""
+
+
+def recompute_modes(model) -> tuple:
+    """:data:`RECOMPUTE_MODES` of ``model``'s op set (``eth.model.layer_ops``): selective is
+    its core attention (the unfused four ops, or fused-attention), full every layer op."""
+    ops = layer_ops(model)
+    core = tuple(op for op in ops if op in UNFUSED_ATTENTION_OPS + ("fused-attention",))
+    return (("none", ()), ("selective", core), ("full", ops))
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ class StageRecomputeEvaluator(Evaluator):
         hit = self._fit.get(key)
         if hit is None:
             n = layers[1] - layers[0]
-            for _, ops in RECOMPUTE_MODES:
+            for _, ops in recompute_modes(self.model):
                 rec = {op: n for op in ops}
                 c = self.cost.stage_cost(st.device_type, st.tp, st.dp, layers, mbs, rec, j, num_stages,
                                          nmb, ranks, next_ranks, prev_ranks)

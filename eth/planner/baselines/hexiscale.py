@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 
 from eth.cost import CostModel
-from eth.model import LAYER_OPS
+from eth.model import LAYER_OPS, layer_ops
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
                                           progress_bar, proportional_split)
@@ -102,7 +102,7 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
                 if not all(n in ev.valid_tps(t, n) for t, n in g.stages):
                     continue
                 tried += 1
-                for flag, ops in RECOMPUTE_FLAG:
+                for flag, ops in ((f, layer_ops(model) if ops else ()) for f, ops in RECOMPUTE_FLAG):
                     plan = hexiscale_plan(model, cluster, blocks, g.stages, k, gbs, mbs, ops)
                     if best.offer(cost, plan) < math.inf:
                         recomputed += flag == "on"

@@ -23,7 +23,7 @@ import math
 
 from eth.cost import CostModel
 from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.baselines.common import (RECOMPUTE_MODES, Best, BaselineOptions, Clock, divisors,
+from eth.planner.baselines.common import (recompute_modes, Best, BaselineOptions, Clock, divisors,
                                           finish, powers_of_two, progress_bar, type_ranks)
 
 def even_split(num_layers: int, pp: int) -> list[int]:
@@ -80,7 +80,7 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
                     mbs = dp * m
                     if gbs % mbs:
                         continue
-                    for _, ops in RECOMPUTE_MODES:
+                    for _, ops in recompute_modes(model):
                         plan = uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops)
                         if best.offer(cost, plan) < math.inf:
                             break   # more recompute only adds time
