@@ -85,3 +85,161 @@ def test_tp_must_divide():
         get_model("gpt5")
     with pytest.raises(SpecError, match="unknown field"):
         ModelSpec.from_dict({"name": "x", "num_layers": 1, "hidden": 8, "heads": 2, "layerz": 3})
+
+
+# ------------------------------------------------------------------ LLaMA layers, fused attention
+LLAMA = ModelSpec("l", num_layers=2, hidden=8, heads=4, kv_heads=2, ffn=12, seq_len=4, vocab=16, dropout=0.0,
+                  swiglu=True, norm="rmsnorm", position="rope", bias=False, attention="fused")
+
+
+def test_op_sets_follow_the_spec():
+    from dataclasses import replace
+
+    from eth.model import all_ops, layer_ops
+
+    assert all_ops(TINY) == ALL_OPS and layer_ops(TINY) == LAYER_OPS
+    assert layer_ops(LLAMA) == ("1st-rmsnorm", "qkv", "rotary", "fused-attention", "attn-dense",
+                                "post-attn-dropout", "2nd-rmsnorm", "mlp-gemm-1", "swiglu", "mlp-gemm-2",
+                                "post-mlp-dropout")
+    assert all_ops(LLAMA)[-2:] == ("final-rmsnorm", "head+loss")
+    unfused = layer_ops(replace(LLAMA, attention="unfused"))
+    assert unfused[3:7] == ("score", "softmax", "attn-dropout", "context") and len(unfused) == 14
+    assert layer_ops(replace(TINY, attention="fused"))[2:4] == ("fused-attention", "attn-dense")
+    assert tuple(op_shapes(LLAMA, 1, 1)) == all_ops(LLAMA)
+
+
+def test_llama_op_shapes_hand_count():
+    # b=1 s=4 h=8 a=4 kv=2 (head dim 2, k/v width 4, qkv width 16) f=12 (gate+up 24) E=2
+    ops = op_shapes(LLAMA, mbs=1, tp=1)
+    assert ops["qkv"].flops_fwd == 2 * 4 * 8 * 16 and ops["qkv"].weight_bytes == 8 * 16 * 2   # no bias
+    assert ops["rotary"].flops_fwd == 3 * 4 * (8 + 4) and ops["rotary"].act_bytes == 0
+    assert ops["rotary"].input_bytes == ops["rotary"].output_bytes == 4 * 16 * 2
+    fa = ops["fused-attention"]
+    assert fa.flops_fwd == 4 * 4 * 4 * 8 + 5 * 4 * 4 * 4 and fa.flops_bwd == 2.5 * fa.flops_fwd
+    assert fa.act_bytes == 4 * 16 * 2 + 4 * 8 * 2 + 4 * 4 * 4       # q, k, v + output + fp32 lse
+    assert fa.input_bytes == 4 * 16 * 2 and fa.output_bytes == 4 * 8 * 2 and fa.weight_bytes == 0
+    assert ops["1st-rmsnorm"].weight_bytes == 8 * 2 and ops["1st-rmsnorm"].act_bytes == 64 + 4 * 4
+    assert ops["mlp-gemm-1"].flops_fwd == 2 * 4 * 8 * 24 and ops["mlp-gemm-1"].weight_bytes == 8 * 24 * 2
+    assert ops["swiglu"].act_bytes == 4 * 24 * 2 and ops["swiglu"].output_bytes == 4 * 12 * 2
+    assert ops["attn-dense"].weight_bytes == 8 * 8 * 2 and ops["mlp-gemm-2"].weight_bytes == 12 * 8 * 2
+    assert ops["embedding"].weight_bytes == 16 * 8 * 2                # no position table
+    assert ops["final-rmsnorm"].weight_bytes == 16 and ops["head+loss"].weight_bytes == 16 * 8 * 2
+    # parameters: 2 norms 16 + qkv 128 + dense 64 + gate/up 192 + down 96 = 496 per layer
+    assert sum(ops[o].weight_bytes for o in ("1st-rmsnorm", "qkv", "attn-dense", "2nd-rmsnorm",
+                                             "mlp-gemm-1", "mlp-gemm-2")) == 2 * LLAMA.params_per_layer()
+    assert LLAMA.params_per_layer() == 496 and LLAMA.num_params() == 2 * 496 + 16 * 8 + 8 + 16 * 8
+    # tp 2: one kv group per rank, GEMMs and attention halved, norms replicated
+    two = op_shapes(LLAMA, 1, 2)
+    assert two["qkv"].weight_bytes * 2 == ops["qkv"].weight_bytes
+    assert two["fused-attention"].act_bytes * 2 == fa.act_bytes
+    assert two["1st-rmsnorm"].weight_bytes == ops["1st-rmsnorm"].weight_bytes
+
+
+def test_fused_attention_keeps_no_s_by_s_tensor():
+    from dataclasses import replace
+
+    def attention_act(spec, s):
+        ops = op_shapes(replace(spec, seq_len=s), 1, 1)
+        return sum(ops[o].act_bytes for o in ("fused-attention", "score", "softmax", "attn-dropout", "context")
+                   if o in ops)
+
+    unfused = replace(LLAMA, attention="unfused")
+    assert attention_act(LLAMA, 64) == 16 * attention_act(LLAMA, 4)          # linear in s
+    # unfused: q, k (score) + probs s x s (softmax) + v (context) -> grows with s^2
+    assert attention_act(unfused, 64) == 64 * (8 + 4) * 2 + 4 * 64 * 64 * 2 + 64 * 4 * 2
+    assert attention_act(unfused, 64) > 8 * attention_act(LLAMA, 64)
+
+
+def test_recompute_rule_for_fused_attention_and_rotary():
+    from eth.cost import CostModel, recompute_runs
+    from eth.model import layer_ops
+
+    ops = op_shapes(LLAMA, 1, 1)
+    fa = ops["fused-attention"]
+    # recomputing fused-attention frees its output and lse, keeps q, k, v (its input)
+    assert CostModel._recompute_savings(ops, {"fused-attention": 1}) == fa.act_bytes - fa.input_bytes == 128
+    # with rotary in the run the checkpoint keeps rotary's input instead (same size)
+    assert CostModel._recompute_savings(ops, {"rotary": 1, "fused-attention": 1}) == 128
+    assert CostModel._recompute_savings(ops, {"swiglu": 2, "mlp-gemm-2": 2}) == 2 * (4 * 12 * 2)
+    assert recompute_runs({"rotary", "fused-attention", "swiglu"}, layer_ops(LLAMA)) == \
+        [["rotary", "fused-attention"], ["swiglu"]]
+
+
+def test_llama2_presets_published_shapes_and_counts():
+    shapes = {"llama2-7b": (32, 4096, 32, 32, 11008), "llama2-13b": (40, 5120, 40, 40, 13824),
+              "llama2-70b": (80, 8192, 64, 8, 28672)}
+    for name, shape in shapes.items():
+        m = get_model(name)
+        assert (m.num_layers, m.hidden, m.heads, m.kv_heads, m.ffn) == shape
+        assert (m.vocab, m.norm, m.position, m.bias, m.swiglu, m.attention) == \
+            (32000, "rmsnorm", "rope", False, True, "unfused")
+    # the released checkpoints' parameter counts
+    assert [get_model(n).num_params() for n in shapes] == [6738415616, 13015864320, 68976648192]
+    tiny = get_model("tiny-llama")
+    assert (tiny.num_layers, tiny.hidden, tiny.heads, tiny.kv_heads, tiny.seq_len, tiny.vocab, tiny.attention) == \
+        (4, 64, 4, 2, 32, 256, "fused")
+
+
+def test_legacy_specs_load_as_gpt_and_keep_their_hash(tmp_path):
+    import json
+
+    from eth.plan import load_plan
+
+    legacy = {"name": "x", "num_layers": 2, "hidden": 8, "heads": 2, "ffn": 32, "seq_len": 4, "vocab": 16,
+              "kv_heads": 2, "swiglu": False, "dropout": 0.0}
+    spec = ModelSpec.from_dict(legacy)
+    assert (spec.norm, spec.position, spec.bias, spec.attention) == ("layernorm", "learned", True, "unfused")
+    assert spec.to_dict(compact=True) == legacy and spec.to_dict()["attention"] == "unfused"
+    assert ModelSpec.from_dict(LLAMA.to_dict()) == LLAMA
+    assert LLAMA.to_dict(compact=True)["attention"] == "fused"
+    # a plan written before the fields existed: same hash now
+    data = json.loads(open("examples/plans/cpu-demo.json").read())
+    assert load_plan("examples/plans/cpu-demo.json").content_hash() == data["hash"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(norm="batchnorm"), r"model.norm must be one of \['layernorm', 'rmsnorm'\], got 'batchnorm'"),
+    (dict(attention="flash"), r"model.attention must be one of \['unfused', 'fused'\]"),
+    (dict(position="alibi"), r"model.position must be one of"),
+    (dict(bias="no"), "model.bias must be true or false"),
+    (dict(position="rope", hidden=6, heads=2), "rope needs an even head dimension, got hidden 6 / heads 2 = 3"),
+])
+def test_layer_option_validation(kwargs, message):
+    with pytest.raises(SpecError, match=message):
+        ModelSpec(**(dict(name="x", num_layers=2, hidden=8, heads=2) | kwargs))
+
+
+def test_profiles_and_plans_use_the_specs_op_set():
+    from dataclasses import replace
+
+    from eth.cluster import Cluster, catalog
+    from eth.errors import PlanError, ProfileError
+    from eth.model import all_ops
+    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.profiles import DeviceProfile, analytic_profile
+
+    a100 = catalog()["A100"]
+    data = analytic_profile(a100, [LLAMA, replace(LLAMA, attention="unfused")], (1, 2), (1, 2))
+    prof = DeviceProfile(data)
+    assert set(prof.layer_costs(LLAMA, 2, 2)[0]) == set(all_ops(LLAMA))
+    assert "softmax" in prof.layer_costs(replace(LLAMA, attention="unfused"), 1, 1)[0]
+    del data["models"][0]["entries"][0]["ops"]["rotary"]
+    with pytest.raises(ProfileError, match=r"ops\['rotary'\] must be a list"):
+        DeviceProfile(data)
+    # a profile written before the layer options: GPT shape; a swiglu entry's "gelu" row is its swiglu op
+    old = analytic_profile(a100, [replace(TINY, swiglu=True)], (1,), (1,))
+    for m in old["models"]:
+        for f in ("norm", "position", "bias", "attention"):
+            del m["shape"][f]
+        for e in m["entries"]:
+            e["ops"]["gelu"] = e["ops"].pop("swiglu")
+    got = DeviceProfile(old).layer_costs(replace(TINY, swiglu=True), 1, 1)[0]
+    assert got["swiglu"].fwd_ms > 0 and "gelu" not in got
+
+    cluster = Cluster.from_dict({"name": "c", "inter_node_gbps": 100, "nodes": [{"type": "A100", "devices_per_node": 1}]})
+    plan = Plan(model=LLAMA, cluster=cluster, gbs=2,
+                pipelines=[PipelinePlan(1, 2, [StagePlan([0], "A100", 1, 1, (0, 2), {"softmax": 1})])])
+    with pytest.raises(PlanError, match="recompute names unknown op 'softmax'; model l's layer ops: 1st-rmsnorm"):
+        plan.validate()
+    plan.pipelines[0].stages[0].recompute = {"fused-attention": 2, "rotary": 1}
+    assert plan.validate() is plan
