@@ -21,7 +21,7 @@ $(VENV)/.installed: setup.py
 # then train it with 4 CPU processes (gloo) following that plan, on the shipped English corpus.
 run: install
 	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
-	    --gbs 16 --zero-stage 1 -o $(OUT)/plan.json
+	    --profiles profiles/measured/cpu.json --precision fp32 --gbs 16 --zero-stage 1 -o $(OUT)/plan.json
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 pretrain_gpt.py \
 	    --hpp-plan $(OUT)/plan.json --train-iters 20 --log-interval 1 \
 	    --data-path megatron/hpp/corpus/english
