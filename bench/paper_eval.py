@@ -273,11 +273,11 @@ def cluster_for(case: Case, mc):
 
 def ideal_ms(model, cluster, gbs: int) -> float:
     """Training FLOPs of one iteration / aggregate analytic GEMM throughput (see module doc)."""
-    from eth.model import LAYER_OPS, POST_OPS, PRE_OPS, op_shapes
+    from eth.model import layer_ops, op_shapes, post_ops, pre_ops
     from eth.profiles import GEMM_EFFICIENCY
     ops = op_shapes(model, 1, 1)
-    per_sample = sum(ops[o].flops_fwd + ops[o].flops_bwd for o in LAYER_OPS) * model.num_layers
-    per_sample += sum(ops[o].flops_fwd + ops[o].flops_bwd for o in PRE_OPS + POST_OPS)
+    per_sample = sum(ops[o].flops_fwd + ops[o].flops_bwd for o in layer_ops(model)) * model.num_layers
+    per_sample += sum(ops[o].flops_fwd + ops[o].flops_bwd for o in pre_ops(model) + post_ops(model))
     rate = sum(cluster.type_of(d.rank).tflops for d in cluster.devices) * 1e12 * GEMM_EFFICIENCY
     return per_sample * gbs / rate * 1e3
 
