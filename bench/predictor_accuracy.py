@@ -139,9 +139,14 @@ def _peak_tensor_bytes(prof) -> float:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events
-              if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0]
-    return float(max(totals, default=0))
+    mem = sorted((e for e in events if e.get("name") == "[memory]"
+                  and e.get("args", {}).get("Device Type", 0) == 0), key=lambda e: e["ts"])
+    if not mem:
+        return 0.0
+    # the counter runs over the process's profiled allocations: start from its value
+    # before this session's first allocation
+    base = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
+    return float(max(e["args"]["Total Allocated"] for e in mem) - base)
 
 
 def worker(args) -> int:
