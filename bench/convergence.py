@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Convergence: HPP vs Megatron-uniform vs one rank on real text (paper appendix B, Fig. 14).
 
-    python bench/convergence.py --model tiny-llama --set hidden=192 --iters 300
-    python bench/convergence.py --model small --iters 20       # a short look
+    python bench/convergence.py --model tiny-llama --set hidden=256 --set heads=8 \
+        --set kv_heads=2 --set ffn=512 --set seq_len=64      # 2.4M parameters, 300 iterations
+    python bench/convergence.py --model small --iters 20 --window 5   # a short look (GPT)
 
 Three runs of the same model, global batch, data order (the sample contract of
 docs/DATA.md: global batch t is samples t*gbs .. t*gbs+gbs-1 whatever the plan),
@@ -77,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override a ModelSpec field of the preset (repeatable), e.g. hidden=192")
     p.add_argument("--cluster", default=str(REPO / "examples/clusters/cpu-demo.yaml"),
                    help="heterogeneous cluster YAML of the hpp and uniform runs")
+    p.add_argument("--profiles", default=None,
+                   help="profile JSON file or folder for the searches (search_hpp.py --profiles); "
+                        "default: analytic profiles of the cluster's device types")
     p.add_argument("--gbs", type=int, default=16, help="global batch size of all three runs")
     p.add_argument("--iters", type=int, default=300, help="training iterations of each run")
     p.add_argument("--window", type=int, default=50,
@@ -87,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=1e-4, help="cosine decay floor")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up iterations")
-    p.add_argument("--eval-iters", type=int, default=8,
+    p.add_argument("--eval-iters", type=int, default=10,
                    help="validation global batches evaluated after the last iteration (0: none)")
     p.add_argument("--data-path", nargs="+", default=[str(REPO / "megatron/hpp/corpus/english")],
                    metavar="PREFIX", help="pretrain_gpt.py --data-path")
@@ -121,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise BenchError(f"--data-path {prefix}: no {prefix}.bin (see docs/DATA.md)")
     if not Path(args.cluster).is_file():
         raise BenchError(f"--cluster {args.cluster}: no such file")
+    if args.profiles and not Path(args.profiles).exists():
+        raise BenchError(f"--profiles {args.profiles}: no such file or folder")
     # pretrain_gpt.py runs in the repository root: absolute paths
     args.data_path = [p if p in weights else str(Path(p).resolve()) for p in args.data_path]
     return args
@@ -190,9 +196,9 @@ def one_rank_cluster(cluster, path: Path) -> None:
         sort_keys=False))
 
 
-def make_plan(model, cluster_path, gbs: int, strategy: str, precision: str, out: Path):
-    """Search a plan (tools/search_hpp.py's steps: analytic profiles for the cluster's
-    device types, ``eth.planner.search.search``) and save it to ``out``."""
+def make_plan(model, cluster_path, gbs: int, strategy: str, precision: str, out: Path, profiles=None):
+    """Search a plan (tools/search_hpp.py's steps: the profiles, analytic ones for the
+    device types they lack, ``eth.planner.search.search``) and save it to ``out``."""
     from eth.cluster import load_cluster
     from eth.errors import SpecError
     from eth.planner.options import SearchOptions
@@ -202,7 +208,7 @@ def make_plan(model, cluster_path, gbs: int, strategy: str, precision: str, out:
 
     try:
         cluster = load_cluster(cluster_path)
-        db = ProfileDB()
+        db = ProfileDB.load(profiles) if profiles else ProfileDB()
         added = db.ensure(model, cluster.types.values())
         plan = search(model, cluster, db, SearchOptions(gbs=gbs, strategy=strategy, progress=False,
                                                         setup=TrainSetup(precision, 0, "fp32")))
@@ -446,6 +452,9 @@ def write_md(path: Path, results, cmp, model, plans, args, argv, load_before, lo
         f"* machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} "
         f"{platform.release()}; load average (1/5/15 min) {load_before} before, {load_after} after",
         f"* model: {model.name} {model.to_dict()}: {model.num_params():,} parameters",
+        f"* plans: searched on {shown(args.cluster)} with profiles "
+        f"{shown(args.profiles) if args.profiles else '(none: analytic ones)'}; per device type: "
+        f"{next(iter(plans.values())).search.get('profiles', {})}",
         f"* training: {n} iterations, gbs {args.gbs}, {args.precision}, lr {args.lr:g} -> {args.min_lr:g} "
         f"(cosine, {args.warmup} warm-up), seed {args.seed}, data {' '.join(shown(d) for d in args.data_path)}",
         "",
@@ -496,9 +505,10 @@ def _main(argv) -> int:
             if name == "one-rank":
                 one_rank_cluster(cluster, workdir / "one-rank.yaml")
                 plan = make_plan(model, workdir / "one-rank.yaml", args.gbs, "hpp", args.precision,
-                                 workdir / "one-rank.json")
+                                 workdir / "one-rank.json", args.profiles)
             else:
-                plan = make_plan(model, cluster, args.gbs, name, args.precision, workdir / f"{name}.json")
+                plan = make_plan(model, cluster, args.gbs, name, args.precision, workdir / f"{name}.json",
+                                 args.profiles)
             plans[name], worlds[name] = plan, plan.world_size
             print(f"{name} plan: " + "; ".join(
                 f"pipeline {i}: {len(p.stages)} stage(s), mbs {p.mbs}, lbs {p.lbs}, ranks {sorted(p.ranks)}"
