@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from eth.cluster import Cluster
 from eth.errors import SpecError
 from eth.model import (ACT_BYTES, KNOWN_LAYER_OPS, LAYER_OPS, ModelSpec, layer_ops, post_ops, pre_ops,
-                       tp_allreduces)
+                       tp_allgathers, tp_allreduces)
 from eth.precision import TrainSetup
 from eth.profiles import ProfileDB, collective_ms
 
@@ -250,6 +250,19 @@ class CostModel:
                 fwd += comm_f
                 bwd += comm_b
                 comm += comm_f + comm_b
+            # tp > kv_heads: the qkv output is all-gathered (backward: reduce-scattered)
+            ag_f, ag_b = tp_allgathers(self.model, micro, tp)
+            if ag_f:
+                table = self._measured(prof, device_type, link)
+                comm_f = nl * sum(collective_ms("all_gather", tp, b * scale, link, table) for b in ag_f)
+                comm_b = nl * sum(collective_ms("reduce_scatter", tp, b * scale, link, table) for b in ag_b)
+                fwd += comm_f
+                bwd += comm_b
+                comm += comm_f + comm_b
+                if recompute.get("qkv", 0):   # recomputing qkv repeats its all-gather
+                    redo_ag = recompute["qkv"] * comm_f / nl
+                    recompute_ms += redo_ag
+                    comm += redo_ag
             # recomputing a row-parallel GEMM repeats its forward all-reduce
             redo = recompute.get("attn-dense", 0) + recompute.get("mlp-gemm-2", 0)
             if redo:

@@ -135,19 +135,32 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def _tp_split(self):
-        return (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn", self.ffn),
-                ("vocab", self.vocab))
+    @property
+    def qkv_width(self) -> int:
+        """Output width of the fused qkv GEMM: hidden + 2 x kv_heads x head_dim."""
+        return self.hidden + 2 * self.kv_heads * self.head_dim
 
     def splits(self, tp: int) -> bool:
-        """Whether ``tp`` splits heads, kv heads, ffn and vocab evenly."""
-        return all(value % tp == 0 for _, value in self._tp_split())
+        """Whether ``tp`` is a valid tensor-parallel degree (:meth:`check_tp`)."""
+        try:
+            self.check_tp(tp)
+        except SpecError:
+            return False
+        return True
 
     def check_tp(self, tp: int) -> None:
-        """Raise SpecError unless :meth:`splits` holds, naming the field."""
-        for name, value in self._tp_split():
+        """Raise SpecError unless ``tp`` splits heads, ffn and vocab evenly and, as in
+        megatron-core, divides kv_heads or is a multiple of it (then each tp rank keeps one
+        key/value head of the all-gathered qkv output, and tp must divide its width)."""
+        for name, value in (("heads", self.heads), ("ffn", self.ffn), ("vocab", self.vocab)):
             if value % tp:
                 raise SpecError(f"tp {tp} does not divide model.{name} {value}")
+        kv = self.kv_heads
+        if kv % tp and tp % kv:
+            raise SpecError(f"tp {tp} does not divide model.kv_heads {kv} and is not a multiple of it")
+        if tp > kv and self.qkv_width % tp:
+            raise SpecError(f"tp {tp} (> model.kv_heads {kv}) does not divide the qkv width "
+                            f"{self.qkv_width} (hidden + 2 x kv_heads x head_dim)")
 
     @property
     def norm_params(self) -> int:
@@ -289,6 +302,9 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     v = spec.vocab
     kvd = spec.kv_heads * spec.head_dim          # width of k (and of v)
     qkv = h + 2 * kvd                            # width of the fused qkv output
+    # k (and v) width on one tp rank: its kv heads, or with tp > kv_heads the one head of
+    # its group, taken from the all-gathered qkv output (megatron-core's layout)
+    kv_l = max(spec.kv_heads // t, 1) * spec.head_dim
     f1 = 2 * f if spec.swiglu else f             # width of mlp-gemm-1's output
     tok = b * s * h * E                          # one full hidden activation
     att = b * (a // t) * s * s                   # elements of one tp rank's attention matrix
@@ -302,7 +318,7 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     norm_w, norm_act, norm_flops = (h * E, tok + b * s * 4, 4 * b * s * h) if rms else \
         (2 * h * E, tok + b * s * 8, 8 * b * s * h)
     pos_table = s * h if spec.position == "learned" else 0
-    qkv_out = b * s * qkv // t * E               # one tp rank's qkv output
+    qkv_out = b * s * (h // t + 2 * kv_l) * E    # one tp rank's q, k, v (qkv op output)
 
     def norm(name):
         return _op(name, norm_flops, norm_w, norm_act, tok, tok)
@@ -315,7 +331,7 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     if spec.position == "rope":
         # q and k rotated by fixed cos/sin tables (x cos + rotate_half(x) sin): linear in
         # its input, so backward needs no saved activation
-        ops.append(_op("rotary", 3 * b * s * (h + kvd) // t, 0, 0, qkv_out, qkv_out))
+        ops.append(_op("rotary", 3 * b * s * (h // t + kv_l), 0, 0, qkv_out, qkv_out))
     if spec.attention == "fused":
         # softmax(q k^T / sqrt(d)) v in one kernel: keeps q, k, v (its input), the output
         # and the fp32 log-sum-exp per row, never an s x s tensor; backward recomputes the
@@ -327,11 +343,11 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
         ops += [
             # score reads q and k out of the fused qkv output (its input, kept whole by a
             # checkpoint); context reuses the softmax output itself when dropout is off
-            _op("score", 2 * b * s * s * h // t, 0, b * s * (h + kvd) // t * E, qkv_out, att * E, gemm=True),
+            _op("score", 2 * b * s * s * h // t, 0, b * s * (h // t + kv_l) * E, qkv_out, att * E, gemm=True),
             _op("softmax", 5 * att, 0, att * E, att * E, att * E),
             _op("attn-dropout", 2 * att, 0, mask_a, att * E, att * E, 2 * att * E + mask_a),
-            _op("context", 2 * b * s * s * h // t, 0, (att * E if drop else 0) + b * s * kvd // t * E,
-                att * E + b * s * kvd // t * E, b * s * h // t * E, gemm=True),
+            _op("context", 2 * b * s * s * h // t, 0, (att * E if drop else 0) + b * s * kv_l * E,
+                att * E + b * s * kv_l * E, b * s * h // t * E, gemm=True),
         ]
     act_name = "swiglu" if spec.swiglu else "gelu"
     ops += [
@@ -353,6 +369,16 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     ]
     assert tuple(op.name for op in ops) == all_ops(spec)
     return {op.name: op for op in ops}
+
+
+def tp_allgathers(spec: ModelSpec, mbs: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(forward all-gathers, backward reduce-scatters) of one layer when tp > kv_heads:
+    megatron-core gathers the qkv GEMM's output over the tp group (so that every rank
+    sees its group's key and value head); bytes of the gathered tensor.  None otherwise."""
+    if tp <= spec.kv_heads:
+        return (), ()
+    full = mbs * spec.seq_len * spec.qkv_width * ACT_BYTES
+    return (full,), (full,)
 
 
 def tp_allreduces(spec: ModelSpec, mbs: int, part: str) -> tuple[tuple[int, ...], tuple[int, ...]]:

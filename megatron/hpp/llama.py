@@ -7,10 +7,12 @@ layout, and is pure torch (the tp layers themselves are megatron-core's):
 * grouped-query attention over the fused qkv output, whose columns are ordered by
   key/value group: for each group its ``g = heads / kv_heads`` query heads, its key head
   and its value head (megatron-core's layout; multi-head attention is g = 1).  tp rank
-  t holds the contiguous groups [t * kv/tp, (t + 1) * kv/tp), so tp must divide
-  kv_heads (megatron-core 0.16.1 also accepts tp a multiple of kv_heads by all-gathering
-  the qkv output and keeping one group per rank; the runtime refuses that, naming the
-  numbers, see ``eth.model.ModelSpec.check_tp``).  :func:`split_qkv` cuts the tensor,
+  t holds the contiguous groups [t * kv/tp, (t + 1) * kv/tp) when tp divides kv_heads.
+  With tp a multiple of kv_heads (megatron-core 0.16.1 allows it; other tp are refused,
+  ``eth.model.ModelSpec.check_tp``) a contiguous slice cuts through a group: as
+  megatron-core does, :func:`gather_group` all-gathers the qkv GEMM's output over the
+  tp group and keeps the rank's group (its key and value head, shared by tp / kv_heads
+  ranks) and its own heads / tp query heads.  :func:`split_qkv` cuts the tensor,
   :func:`scores` and :func:`context` are the unfused attention (query heads of a group
   share their key / value through a reshape, no copy of k or v), :func:`fused_attention`
   the one-kernel form;
@@ -129,6 +131,53 @@ def rotate_qk(qkv, groups: int, group: int, head_dim: int):
 
 
 # ------------------------------------------------------------------ attention
+class _AllGatherLastDim(torch.autograd.Function):
+    """Forward: all-gather along the last dimension over ``group``; backward: the sum over
+    the group of the gradient's chunk of this rank (reduce-scatter; gloo has none, so an
+    all-reduce and the rank's chunk there)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        parts = [torch.zeros_like(x) for _ in range(group.size())]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        group = ctx.group
+        n, rank = group.size(), group.rank()
+        try:
+            backend = dist.get_backend(group)
+        except Exception:   # a fake group (profiling): no real collective either way
+            backend = "gloo"
+        if backend != "gloo":
+            chunks = [c.contiguous() for c in grad.chunk(n, dim=-1)]
+            out = torch.empty_like(chunks[rank])
+            dist.reduce_scatter(out, chunks, group=group)
+            return out, None
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad.chunk(n, dim=-1)[rank].contiguous(), None
+
+
+def gather_group(qkv, tp_group, kv_heads: int, group: int, head_dim: int):
+    """tp > kv_heads: this rank's qkv GEMM output [s, b, qkv_width / tp] -> its group's
+    [s, b, (group * kv_heads / tp + 2) * hd]: own query heads, the group's key, value."""
+    tp, rank = tp_group.size(), tp_group.rank()
+    replicas = tp // kv_heads
+    full = _AllGatherLastDim.apply(qkv, tp_group)                 # [s, b, kv * (g + 2) * hd]
+    s, b, _ = full.shape
+    x = full.view(s, b, kv_heads, group + 2, head_dim)[:, :, rank // replicas]
+    own = group // replicas
+    j = rank % replicas
+    return torch.cat([x[:, :, j * own:(j + 1) * own], x[:, :, group:]], dim=2).reshape(s, b, -1)
+
+
 def split_qkv(qkv, groups: int, group: int, head_dim: int):
     """qkv [s, b, groups * (group + 2) * hd] -> q [b, groups, group, s, hd], k and v
     [b, groups, s, hd] (views; q a view too)."""

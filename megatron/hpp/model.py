@@ -118,7 +118,11 @@ class Layer(torch.nn.Module):
         self.segments = self.plan_segments(recompute, self.OPS)
         self._op_by_name = {op[0]: op for op in self.OPS}
         self.local_heads, self.head_dim = spec.heads // tp, spec.head_dim
-        self.local_groups, self.group = spec.kv_heads // tp, spec.heads // spec.kv_heads
+        self.tp_group, self.kv_heads, self.full_group = tp_group, spec.kv_heads, spec.heads // spec.kv_heads
+        if tp > spec.kv_heads:   # one (replicated) kv head per rank, from the gathered qkv output
+            self.local_groups, self.group = 1, spec.heads // tp
+        else:
+            self.local_groups, self.group = spec.kv_heads // tp, spec.heads // spec.kv_heads
         qkv_width = h + 2 * spec.kv_heads * spec.head_dim
         bias = spec.bias
         self.ln1 = llama.norm(spec, LN_EPS)
@@ -139,7 +143,10 @@ class Layer(torch.nn.Module):
         return self.ln1(x)
 
     def op_qkv(self, a):
-        return self.qkv(a)[0]
+        out = self.qkv(a)[0]
+        if self.tp_group.size() > self.kv_heads:
+            out = llama.gather_group(out, self.tp_group, self.kv_heads, self.full_group, self.head_dim)
+        return out
 
     def op_rotary(self, qkv):
         return llama.rotate_qk(qkv, self.local_groups, self.group, self.head_dim)

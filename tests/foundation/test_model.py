@@ -2,7 +2,8 @@
 import pytest
 
 from eth.errors import SpecError
-from eth.model import ALL_OPS, LAYER_OPS, PRESETS, ModelSpec, get_model, op_shapes, tp_allreduces
+from eth.model import (ALL_OPS, LAYER_OPS, PRESETS, ModelSpec, get_model, op_shapes, tp_allgathers,
+                       tp_allreduces)
 
 TINY = ModelSpec("t", num_layers=4, hidden=8, heads=2, ffn=32, seq_len=4, vocab=16, dropout=0.0)
 
@@ -133,6 +134,13 @@ def test_llama_op_shapes_hand_count():
     assert two["qkv"].weight_bytes * 2 == ops["qkv"].weight_bytes
     assert two["fused-attention"].act_bytes * 2 == fa.act_bytes
     assert two["1st-rmsnorm"].weight_bytes == ops["1st-rmsnorm"].weight_bytes
+    # tp 4 > kv_heads 2 (megatron-core): the qkv GEMM is split 4 ways, its output gathered,
+    # and each rank keeps its query head and its group's key and value head
+    four = op_shapes(LLAMA, 1, 4)
+    assert four["qkv"].weight_bytes == 8 * 16 // 4 * 2 and four["qkv"].flops_fwd == 2 * 4 * 8 * 16 // 4
+    assert four["qkv"].output_bytes == 4 * (2 + 2 + 2) * 2 == four["fused-attention"].input_bytes
+    assert tp_allgathers(LLAMA, 1, 4) == ((4 * 16 * 2,), (4 * 16 * 2,))
+    assert tp_allgathers(LLAMA, 1, 2) == ((), ()) and LLAMA.splits(4) and not LLAMA.splits(3)
 
 
 def test_fused_attention_keeps_no_s_by_s_tensor():

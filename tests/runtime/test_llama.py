@@ -6,14 +6,17 @@ independently of megatron-core and of megatron/hpp/llama.py:
   reference loss and gradients (fp32, 1e-5), and its parameters are the spec's count;
 * recomputing any single op, or every op, of either op set changes neither the loss
   nor a gradient (bit for bit, with dropout 0.2 so that masks must be replayed);
-* ONE launch of 5 gloo ranks trains three heterogeneous plans in turn and each equals
+* ONE launch of 5 gloo ranks trains four heterogeneous plans in turn and each equals
   the single-process reference (losses and final parameters to 1e-5, 3 AdamW steps,
   clipping active): (A) tp 2 and tp 1 pipelines holding the same layers (2 kv heads:
   one per tp 2 rank) plus a 2-stage pipeline, lbs 8 / 6 / 2 with mbs 4 / 3 / 1;
   (B) a 3-stage pipeline tp 1 -> dp 2 -> tp 2 with recompute on every stage (fused
   attention, rotary, swiglu, norms, GEMMs); (C) the unfused op set: a tp 2 stage with
-  score / softmax / context recomputed and a dp 2 pipeline, lbs 10 / 6;
-* a tp that does not divide kv_heads is refused by plan validation with the numbers.
+  score / softmax / context recomputed and a dp 2 pipeline, lbs 10 / 6; (D) tp 4 > kv_heads
+  2 (megatron-core's path: the qkv output all-gathered, one kv head per rank shared by
+  two ranks), qkv recomputed, next to a tp 1 pipeline;
+* a tp that neither divides kv_heads nor is a multiple of it is refused by plan
+  validation with the numbers.
 
 Run as a script it is the rank program of that launch (``python test_llama.py OUT PLAN...``).
 """
@@ -104,7 +107,9 @@ def _plans():
         PipelinePlan(2, 10, [st([0], 1, 1, (0, 2)),
                              st([1, 2], 2, 1, (2, 4), {"score": 2, "softmax": 2, "context": 1, "rotary": 1})]),
         PipelinePlan(2, 6, [st([3, 4], 1, 2, (0, 4))])])
-    return {"A": a, "B": b, "C": c}
+    d = make(_spec(), [PipelinePlan(4, 12, [st([0, 1, 2, 3], 4, 1, (0, 4), {"qkv": 2, "rotary": 1})]),
+                       PipelinePlan(2, 4, [st([4], 1, 1, (0, 4))])])
+    return {"A": a, "B": b, "C": c, "D": d}
 
 
 def _rank_main(out: Path, plan_paths: list[str]) -> int:
@@ -199,20 +204,24 @@ def test_recompute_of_any_op_changes_neither_loss_nor_gradients(group):
                 assert grad.equal(grads_r[name]), (attention, recompute, name)
 
 
-def test_tp_must_divide_kv_heads():
+def test_tp_must_divide_kv_heads_or_be_a_multiple():
     import _rt_plans as rp
 
     from eth.errors import PlanError
     from eth.plan import PipelinePlan, Plan
 
-    plan = Plan(model=_spec(), cluster=rp.cluster(4), gbs=16,
-                pipelines=[PipelinePlan(4, 16, [rp.stage([0, 1, 2, 3], 4, 1, (0, 4))])])
-    with pytest.raises(PlanError, match=r"stages\[0\]: tp 4 does not divide model.kv_heads 2"):
+    spec = _spec(hidden=96, heads=12, kv_heads=4, vocab=240)     # tp 6: 4 % 6 and 6 % 4 (megatron-core's rule)
+    plan = Plan(model=spec, cluster=rp.cluster(6), gbs=16,
+                pipelines=[PipelinePlan(4, 16, [rp.stage(range(6), 6, 1, (0, 4))])])
+    with pytest.raises(PlanError, match=r"stages\[0\]: tp 6 does not divide model.kv_heads 4 and is not a "
+                                        r"multiple of it"):
         plan.validate()
+    # 3 and 6: neither divides kv_heads 4 nor is a multiple; 12: does not divide the qkv width 160
+    assert [spec.splits(t) for t in (1, 2, 3, 4, 6, 12)] == [True, True, False, True, False, False]
 
 
 # ------------------------------------------------------------------ one launch, three plans
-def test_three_heterogeneous_plans_equal_single_process(tmp_path):
+def test_heterogeneous_plans_equal_single_process(tmp_path):
     import torch
 
     from _rt_reference import train_reference
