@@ -28,7 +28,7 @@ from eth.cli import int_list, run_main
 from eth.cluster import catalog
 from eth.errors import SpecError
 from eth.model import PRESETS, get_model
-from eth.profiles import DEFAULT_MBS, DEFAULT_TP, SHAPE_FIELDS, analytic_profile, load_profile, save_profile
+from eth.profiles import DEFAULT_MBS, DEFAULT_TP, analytic_profile, entry_shape, load_profile, save_profile
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -44,7 +44,7 @@ def _names(text: str, known, what: str) -> list[str]:
 
 
 def _shape(model_entry: dict) -> tuple:
-    return tuple(model_entry["shape"][f] for f in SHAPE_FIELDS)
+    return entry_shape(model_entry["shape"])   # files written before a shape field existed: its GPT value
 
 
 def merge_profile(old: dict, new: dict, where: str) -> dict:

@@ -33,7 +33,9 @@ be profiled exactly, since it changes the sharding):
     optimistic for small kernels and is reported as such.
 
 Analytic profiles (``analytic_profile``) use a roofline: a GEMM takes
-``flops / (peak * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_MS``, any other op
+``flops / (peak * eff(m, n, k)) + overhead_ms`` with the device type's size-dependent
+GEMM efficiency (``eth.gemm_efficiency``; a type without a fitted curve keeps
+``eff = GEMM_EFFICIENCY`` at every size and ``KERNEL_OVERHEAD_MS``), any other op
 ``bytes moved / (memory bandwidth * MEMORY_EFFICIENCY) + KERNEL_OVERHEAD_MS``;
 backward moves/computes twice the forward.  Collectives use an alpha-beta model
 (:func:`collective_ms`) with the cluster's bandwidths unless the profile carries a
@@ -59,7 +61,7 @@ SHAPE_DEFAULTS = {"norm": "layernorm", "position": "learned", "bias": True, "att
 """Shape fields a profile written before they existed lacks: the GPT values."""
 
 # Analytic efficiency factors (documented assumptions, see docs/FORMATS.md).
-GEMM_EFFICIENCY = 0.6        # fraction of dense peak a large fp16 GEMM reaches
+GEMM_EFFICIENCY = 0.6        # fraction of dense peak a large fp16 GEMM reaches (no fitted curve)
 MEMORY_EFFICIENCY = 0.7      # fraction of memory bandwidth an elementwise kernel reaches
 KERNEL_OVERHEAD_MS = 0.01    # launch + synchronisation cost per op and pass
 RESERVED_BYTES = 1.0e9       # framework context + allocator workspace per device
@@ -356,27 +358,49 @@ def save_profile(data: dict, path) -> None:
 
 
 def analytic_op_costs(device: DeviceType, model: ModelSpec, mbs: int, tp: int) -> dict[str, list]:
-    """Roofline op costs (see module docstring) as profile rows."""
-    peak = device.tflops * 1e12 * GEMM_EFFICIENCY / 1e3       # flop per ms
+    """Roofline op costs (see module docstring) as profile rows.  GEMM ops run at the
+    device type's size-dependent efficiency (``eth.gemm_efficiency``: eff(m, n, k) of the
+    op's GEMM dimensions, the same for the backward's two GEMMs; a GEMM op without known
+    dimensions, e.g. fused attention, at the curve's peak_eff)."""
+    from eth.gemm_efficiency import efficiency_for, gemm_dims
+
+    curve = efficiency_for(device.name)
+    dims = gemm_dims(model, mbs, tp)
+    peak = device.tflops * 1e12 / 1e3                          # flop per ms at 100 %
     bw = device.mem_bw_gbs * 1e9 * MEMORY_EFFICIENCY / 1e3     # bytes per ms
     rows = {}
     for name, s in op_shapes(model, mbs, tp).items():
-        fwd = (s.flops_fwd / peak if s.is_gemm else s.traffic_bytes / bw) + KERNEL_OVERHEAD_MS
-        bwd = (s.flops_bwd / peak if s.is_gemm else 2 * s.traffic_bytes / bw) + KERNEL_OVERHEAD_MS
+        if s.is_gemm:
+            eff = curve(*dims[name]) if name in dims else curve.peak_eff
+            fwd = s.flops_fwd / (peak * eff) + curve.overhead_ms
+            bwd = s.flops_bwd / (peak * eff) + curve.overhead_ms
+        else:
+            fwd = s.traffic_bytes / bw + KERNEL_OVERHEAD_MS
+            bwd = 2 * s.traffic_bytes / bw + KERNEL_OVERHEAD_MS
         rows[name] = [fwd, bwd, s.weight_bytes, s.act_bytes, s.input_bytes, s.output_bytes]
     return rows
+
+
+def _curve_record(curve) -> dict:
+    return {"curve": "peak_eff * m/(m+d0) * n/(n+d0) * k/(k+d0) (eth/gemm_efficiency.py)",
+            "peak_eff": curve.peak_eff, "d0": curve.d0, "overhead_ms": curve.overhead_ms,
+            "source": curve.source}
 
 
 def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
                      base: dict | None = None) -> dict:
     """A profile JSON dict for ``device`` (merged into ``base`` if given)."""
+    from eth.gemm_efficiency import GemmEfficiency, efficiency_for
+
     data = dict(base) if base else {
         "version": PROFILE_VERSION, "device": device.name, "source": "analytic",
         "provenance": {
             "generator": "eth.profiles.analytic_profile (roofline)",
             "datasheet": {"tflops": device.tflops, "memory_gb": device.memory_gb,
                           "mem_bw_gbs": device.mem_bw_gbs, "source": device.source},
-            "gemm_efficiency": GEMM_EFFICIENCY, "memory_efficiency": MEMORY_EFFICIENCY,
+            "gemm_efficiency": GEMM_EFFICIENCY if efficiency_for(device.name) == GemmEfficiency() else
+                               _curve_record(efficiency_for(device.name)),
+            "memory_efficiency": MEMORY_EFFICIENCY,
             "kernel_overhead_ms": KERNEL_OVERHEAD_MS, "reserved_bytes": RESERVED_BYTES},
         "op_fields": list(OP_FIELDS), "tp_comm_included": False, "models": []}
     data["models"] = list(data["models"])
