@@ -16,7 +16,9 @@ independently of megatron-core and of megatron/hpp/llama.py:
   2 (megatron-core's path: the qkv output all-gathered, one kv head per rank shared by
   two ranks), qkv recomputed, next to a tp 1 pipeline;
 * a tp that neither divides kv_heads nor is a multiple of it is refused by plan
-  validation with the numbers.
+  validation with the numbers;
+* torch SDPA equals the unfused ops; transformer-engine's kernel (CUDA + bf16 only)
+  equals SDPA (skipped without CUDA and transformer_engine).
 
 Run as a script it is the rank program of that launch (``python test_llama.py OUT PLAN...``).
 """
@@ -218,6 +220,41 @@ def test_tp_must_divide_kv_heads_or_be_a_multiple():
         plan.validate()
     # 3 and 6: neither divides kv_heads 4 nor is a multiple; 12: does not divide the qkv width 160
     assert [spec.splits(t) for t in (1, 2, 3, 4, 6, 12)] == [True, True, False, True, False, False]
+
+
+def _random_qkv(groups=2, group=3, hd=8, s=16, b=2):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(s, b, groups * (group + 2) * hd, generator=gen), (groups, group, hd)
+
+
+def test_sdpa_fused_attention_equals_the_unfused_ops():
+    """SDPA (CPU, fp32) equals score -> softmax -> context on the same grouped qkv; the
+    transformer-engine kernel is never picked for CPU tensors."""
+    import torch
+
+    from megatron.hpp import llama
+
+    qkv, shape = _random_qkv()
+    fused = llama.fused_attention(qkv, *shape, 0.0, False)
+    probs = llama.causal_softmax(llama.scores(qkv, *shape))
+    assert torch.allclose(fused, llama.context(probs, qkv, *shape), atol=1e-6)
+    assert not llama.te_available(qkv) and not llama.te_available(qkv.bfloat16())
+
+
+def test_transformer_engine_attention_equals_sdpa_on_cuda():
+    import torch
+
+    from megatron.hpp import llama
+
+    qkv, shape = _random_qkv()
+    if not torch.cuda.is_available() or not llama.te_available(qkv.cuda().bfloat16()):
+        pytest.skip("transformer-engine fused attention needs CUDA and transformer_engine")
+    x = qkv.cuda().bfloat16()
+    te_out = llama.fused_attention(x, *shape, 0.0, False)
+    sdpa_out = llama.fused_attention(x, *shape, 0.0, False, use_te=False)
+    assert torch.allclose(te_out.float(), sdpa_out.float(), atol=2e-2)
 
 
 # ------------------------------------------------------------------ one launch, three plans
