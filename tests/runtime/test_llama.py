@@ -17,6 +17,7 @@ independently of megatron-core and of megatron/hpp/llama.py:
   two ranks), qkv recomputed, next to a tp 1 pipeline;
 * a tp that neither divides kv_heads nor is a multiple of it is refused by plan
   validation with the numbers;
+* the profiler measures every LLaMA op's saved bytes as op_shapes counts them;
 * torch SDPA equals the unfused ops; transformer-engine's kernel (CUDA + bf16 only)
   equals SDPA (skipped without CUDA and transformer_engine).
 
@@ -220,6 +221,26 @@ def test_tp_must_divide_kv_heads_or_be_a_multiple():
         plan.validate()
     # 3 and 6: neither divides kv_heads 4 nor is a multiple; 12: does not divide the qkv width 160
     assert [spec.splits(t) for t in (1, 2, 3, 4, 6, 12)] == [True, True, False, True, False, False]
+
+
+def test_measured_saved_bytes_of_llama_ops_are_op_shapes():
+    """The profiler's measurement (storages each op packs for backward, fp32) of every
+    tiny-llama layer op at tp 1, 2 and 4 (> kv_heads) equals eth.model.op_shapes scaled to
+    4-byte elements, except the fp32 statistics, which do not scale: rmsnorm's rstd and
+    fused attention's log-sum-exp are b x s (x local heads) x 4 bytes in both."""
+    from eth.model import ACT_BYTES, layer_ops, op_shapes
+    from megatron.hpp.profiler import ProfileConfig, measure_entries
+
+    spec, E, b = _spec(), 4, 2
+    s, heads = spec.seq_len, spec.heads
+    for entry in measure_entries(ProfileConfig(spec, "cpu", (b,), (1, 2, 4), repeats=1, warmup=0)):
+        tp, shapes = entry["tp"], op_shapes(spec, b, entry["tp"])
+        for op in layer_ops(spec):
+            scaled = shapes[op].act_bytes * E // ACT_BYTES
+            want = {"1st-rmsnorm": scaled - b * s * 4, "2nd-rmsnorm": scaled - b * s * 4,
+                    "fused-attention": scaled - b * (heads // tp) * s * 4}.get(op, scaled)
+            assert entry["ops"][op][3] == want, (op, tp, entry["ops"][op][3], want)
+        assert entry["ops"]["rotary"][3] == 0 and entry["ops"]["fused-attention"][3] > 0
 
 
 def _random_qkv(groups=2, group=3, hd=8, s=16, b=2):
