@@ -4,6 +4,7 @@ independently of megatron-core and of megatron/hpp/llama.py:
 
 * one stage holding the whole tiny-llama (fused and unfused attention, tp 1) gives the
   reference loss and gradients (fp32, 1e-5), and its parameters are the spec's count;
+* a GPT with fused attention equals its 13-op form;
 * recomputing any single op, or every op, of either op set changes neither the loss
   nor a gradient (bit for bit, with dropout 0.2 so that masks must be replayed);
 * ONE launch of 5 gloo ranks trains four heterogeneous plans in turn and each equals
@@ -191,6 +192,21 @@ def test_stage_equals_plain_torch_llama_and_counts_parameters(group):
         for local, sh in stage.shard_specs.items():
             assert torch.allclose(grads[local], p[sh.name].grad, atol=TOL, rtol=1e-4), (attention, local)
         assert not any(n.endswith("bias") for n in grads) and "pos" not in grads
+
+
+def test_gpt_with_fused_attention_equals_its_unfused_op_set(group):
+    """The fused option on a GPT (layernorm, learned positions, gelu, biases): same loss and
+    gradients as the paper's 13 ops; its recompute is exact too."""
+    import torch
+
+    from eth.model import get_model
+
+    gpt = get_model("tiny")
+    _, _, loss, grads = _loss_grads(gpt, group)
+    for recompute in (None, {"fused-attention": 4, "qkv": 2}):
+        _, _, loss_f, grads_f = _loss_grads(replace(gpt, attention="fused"), group, recompute)
+        assert abs(loss_f.item() - loss.item()) < TOL
+        assert all(torch.allclose(grads[n], grads_f[n], atol=TOL, rtol=1e-4) for n in grads)
 
 
 def test_recompute_of_any_op_changes_neither_loss_nor_gradients(group):
