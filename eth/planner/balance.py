@@ -73,13 +73,20 @@ def _lcm(values) -> int:
 def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, Evaluation] | None:
     """Warm start for stage device group ``stages`` ((type, devices), ...).
 
-    None if a stage has no valid tp or no mbs = lcm(dp) x {1, 2, 4} divides ``batch``.
+    tp per stage: the smallest whose weight shard takes at most half the memory; when
+    no mbs = lcm(dp) x {1, 2, 4} divides ``batch`` (a small batch), the tp of the
+    widest-dp stage is raised until one does.  If the best of these leaves the pipeline
+    fewer than 2 micro-batches per stage (B / Mbs < 2 S: the 1F1B fill dominates), the
+    largest tp of every stage (the smallest dp and Mbs, the most micro-batches) is tried
+    too.  Layers: inversely proportional to each stage's per-layer time.
+
+    None if a stage has no valid tp or no such mbs divides ``batch``.
     """
     model = ev.model
     L = model.num_layers
     share = L / len(stages)
     layer_bytes = model.params_per_layer() * ev.cost.bytes_per_param
-    chosen = []
+    chosen, widest = [], []
     for j, (t, n) in enumerate(stages):
         tps = ev.valid_tps(t, n, ranks[j] if ranks else None)
         if not tps:
@@ -87,6 +94,27 @@ def initial_state(ev: Evaluator, stages, batch: int, ranks) -> tuple[PipeState, 
         cap = ev.cost.cluster.types[t].memory_bytes
         tp = next((x for x in tps if layer_bytes * share / x <= 0.5 * cap), tps[-1])
         chosen.append(StageState(t, n, tp, 1))
+        widest.append(StageState(t, n, tps[-1], 1))
+    # a small batch may admit no mbs = lcm(dp) x {1, 2, 4}: then raise the tp of the
+    # widest-dp stage (dp falls) until one divides the batch (or no tp is left)
+    while not any(batch % (_lcm(s.dp for s in chosen) * m) == 0 for m in (1, 2, 4)):
+        j = max(range(len(chosen)), key=lambda k: (chosen[k].dp, -k))
+        st = chosen[j]
+        tps = ev.valid_tps(st.device_type, st.ndev, ranks[j] if ranks else None)
+        higher = [x for x in tps if x > st.tp]
+        if not higher or st.dp == 1:
+            return None
+        chosen[j] = st.with_tp(higher[0])
+    best = _best_mbs(ev, chosen, batch, ranks)
+    if best is not None and batch < 2 * len(stages) * best[0].mbs and widest != chosen:
+        other = _best_mbs(ev, widest, batch, ranks)
+        if other is not None and other[1].key < best[1].key:
+            best = other
+    return best
+
+
+def _best_mbs(ev: Evaluator, chosen, batch: int, ranks):
+    """Best of mbs = lcm(dp) x {1, 2, 4} dividing ``batch``, layers re-split for each."""
     base = _lcm(s.dp for s in chosen)
     best = None
     for mult in (1, 2, 4):

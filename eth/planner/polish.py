@@ -131,11 +131,18 @@ def pipeline_moves(ev, r: PipelineResult):
                     yield replace(r.state, stages=tuple(new))
 
 
-def polish(search, cand: Candidate, budget: int) -> Candidate:
-    """Re-plan each pipeline for its Lbs (all stage groups), steepest descent on the whole
-    group's Eq. 2 over :func:`pipeline_moves`, then free-Mbs allocation.  Every step first checks
-    the search's time limit; once it is reached the best candidate so far is returned."""
-    out = search._out_of_time
+FREE_MBS_CHOICES = 3
+"""Re-plan choices of one pipeline (the best by their plain allocation) that are also
+scored with the free-Mbs exact allocation."""
+
+
+def _replan(search, cand: Candidate, out) -> Candidate:
+    """Each pipeline in turn: its phase 1 for its own Lbs and the balanced configurations of
+    its other stage groups, each tried in the group context.  Every choice gets the group's
+    allocation at the pipelines' Mbs; the :data:`FREE_MBS_CHOICES` best of them (failed
+    allocations last) also the free-Mbs exact allocation (:func:`variant_allocation`:
+    every pipeline's Mbs among halvings/doublings of its own), because a changed pipeline
+    often pays only once the other pipelines' Mbs move with it."""
     for i, p in enumerate(list(cand.plan.pipelines)):
         if out():
             return cand
@@ -143,17 +150,29 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
         if r is None or not r.feasible:
             continue
         choices = [r, *r.alternatives, *cand.results[i].alternatives]
-        best = None
-        for choice in choices:
+        best, scored = None, []
+        for k, choice in enumerate(choices):
             if out():
                 break
             trial = list(cand.results)
             trial[i] = choice
-            got = search._allocate(trial) or (None, None)
-            alt = variant_allocation(search, trial) if got[0] is None else Candidate(got[0], got[1], trial)
+            got = search._allocate(trial)
+            scored.append((got[1] if got is not None else math.inf, k, trial))
+            if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+                best = Candidate(got[0], got[1], trial)
+        scored.sort(key=lambda x: (x[0], x[1]))
+        for _, _, trial in scored[:FREE_MBS_CHOICES]:
+            if out():
+                break
+            alt = variant_allocation(search, trial)
             if alt is not None and alt.iteration_ms < (best or cand).iteration_ms * (1 - 1e-9):
                 best = alt
         cand = best or cand
+    return cand
+
+
+def _descend(search, cand: Candidate, budget: int, out) -> Candidate:
+    """Steepest descent over :func:`pipeline_moves` on the whole group's Eq. 2."""
     spent = 0
     while spent < budget and not out():
         best = None
@@ -173,9 +192,29 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
         if best is None:
             break
         cand = best
-    if out():
-        return cand
-    final = variant_allocation(search, cand.results)
-    if final is not None and final.iteration_ms < cand.iteration_ms:
-        cand = final
+    return cand
+
+
+POLISH_ROUNDS = 2
+"""Rounds of re-planning + descent + free-Mbs allocation while the group improves."""
+
+
+def polish(search, cand: Candidate, budget: int) -> Candidate:
+    """Re-plan each pipeline for its Lbs (all stage groups, scored with free Mbs), steepest
+    descent on the whole group's Eq. 2 over :func:`pipeline_moves`, then free-Mbs
+    allocation; repeated (at most :data:`POLISH_ROUNDS` times) while the group improves.
+    Every step first checks the search's time limit; once it is reached the best
+    candidate so far is returned."""
+    out = search._out_of_time
+    for _ in range(POLISH_ROUNDS):
+        start = cand.iteration_ms
+        cand = _replan(search, cand, out)
+        cand = _descend(search, cand, budget, out)
+        if out():
+            return cand
+        final = variant_allocation(search, cand.results)
+        if final is not None and final.iteration_ms < cand.iteration_ms:
+            cand = final
+        if cand.iteration_ms >= start * (1 - 1e-9):
+            break
     return cand
