@@ -7,12 +7,22 @@ inter-type 100 Gbit/s) at 16..128 devices; the optimisation ablation (none, +cac
 (roofline) profiles.  Runs that hit their time limit are marked "(limit)": their
 iteration time is the best plan found within the limit.
 
+Every size is also searched with ``SearchOptions.memo`` off (the planner-level memos
+and the sorted greedy of issue 11, same plans) and without seeds; the rows print the
+ratio of the search times measured in this run and whether the plans' iteration times
+agree.  "phases" gives the seconds of each search phase (plan.search["phase_s"]:
+seeds, warm starts, balance, allocation, refine, polish, enumeration = the rest of
+the driver).  Small clusters whose brute force (``eth.planner.bruteforce``, the same
+space) finishes are compared with it too.
+
     python bench/search_scaling.py            # full (un-optimised runs limited to 300 s)
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
 """
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 
@@ -42,7 +52,62 @@ def run(model_name: str, devices: int, gbs: int, limit: float, **switches) -> di
                 "note": str(exc)[:60], "pipes": 0, "c": {}}
     s = plan.search
     return {"time_s": time.perf_counter() - start, "iter_ms": plan.predicted["iteration_ms"],
-            "limited": s["time_limited"], "pipes": len(plan.pipelines), "c": s["candidates"], "note": ""}
+            "limited": s["time_limited"], "pipes": len(plan.pipelines), "c": s["candidates"], "note": "",
+            "phases": s.get("phase_s", {}), "seed_won": s.get("seed_won")}
+
+
+PHASES = ("seeds", "warm starts", "balance", "allocation", "refine", "polish", "dp", "enumeration")
+
+
+def fmt_phases(r) -> str:
+    ph = r.get("phases") or {}
+    return "    phases s: " + ", ".join(f"{k} {ph[k]:.2f}" for k in PHASES if k in ph)
+
+
+def tiny_cases():
+    """Small clusters and a 4-layer model whose brute force finishes."""
+    from eth.cluster import Cluster
+    from eth.model import ModelSpec
+    m4 = ModelSpec("m4", num_layers=4, hidden=1024, heads=8, seq_len=512, vocab=8192)
+    for nodes, gbs in (([("A100", 2), ("RTX3090", 2)], 16), ([("A100", 1), ("V100", 2)], 8),
+                       ([("A100", 2), ("RTX3090", 1), ("V100", 1)], 8)):
+        cluster = Cluster.from_dict({"name": "tiny", "inter_node_gbps": 100,
+                                     "nodes": [{"type": t, "devices_per_node": n} for t, n in nodes]})
+        yield "+".join(f"{n}x{t}" for t, n in nodes) + f" gbs {gbs}", m4, cluster, gbs
+
+
+def run_tiny(model, cluster, gbs, **switches):
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.profiles import ProfileDB
+    db = ProfileDB()
+    db.ensure(model, cluster.types.values())
+    start = time.perf_counter()
+    plan = search(model, cluster, db, SearchOptions(gbs=gbs, **switches))
+    return time.perf_counter() - start, plan.predicted["iteration_ms"]
+
+
+def brute(model, cluster, gbs):
+    from eth.planner.bruteforce import brute_force
+    from eth.profiles import ProfileDB
+    db = ProfileDB()
+    db.ensure(model, cluster.types.values())
+    start = time.perf_counter()
+    best, _ = brute_force(model, cluster, db, gbs)
+    return time.perf_counter() - start, best
+
+
+def context() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "eth", "bench"], capture_output=True,
+                               text=True, check=False).stdout.strip()
+    except OSError:
+        commit, dirty = "?", ""
+    load = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
+    return (f"# command: python {' '.join(sys.argv)}\n# commit {commit}{' (+ local changes)' if dirty else ''}, "
+            f"load average {load}, {os.cpu_count()} CPUs")
 
 
 def fmt_row(label, r, ref=None):
@@ -68,18 +133,25 @@ def main(argv=None) -> int:
     limit = args.limit or (20.0 if args.quick else 300.0)
     none = dict(cache=False, skip=False, order=False, dp=False)
 
+    print(context())
     print(f"# HPP search scaling, GPT-3 13B on 910B2/910B4, gbs {args.gbs}, analytic profiles")
     print(f"# un-optimised runs are limited to {limit:.0f} s; ref = un-optimised run of the same size")
+    print("# 'memo off' = SearchOptions(memo=False): the search without the issue-11 planner memos (same plans)")
     print(HEADER)
     sizes = (16, 32, 64) if args.quick else (16, 32, 64, 128)
     for n in sizes:
         full = run("gpt3-13b", n, args.gbs, 0.0)
+        slow = run("gpt3-13b", n, args.gbs, 0.0, memo=False)
+        own = run("gpt3-13b", n, args.gbs, 0.0, seeds=False)
         if n <= 32:
             ref = run("gpt3-13b", n, args.gbs, limit, **none)
             print(fmt_row(f"13B {n} dev, none", ref, ref))
             print(fmt_row(f"13B {n} dev, all", full, ref))
         else:
             print(fmt_row(f"13B {n} dev, all", full))
+        print(fmt_row(f"13B {n} dev, all, memo off", slow, full))
+        print(fmt_row(f"13B {n} dev, all, no seeds", own, full))
+        print(fmt_phases(full) + (f"; seed won: {full['seed_won']}" if full["seed_won"] else ""))
         sys.stdout.flush()
 
     print(f"\n# ablation, GPT-3 13B on 64 devices (cumulative switches; limit {limit:.0f} s each)")
@@ -96,9 +168,26 @@ def main(argv=None) -> int:
         print(fmt_row(label, r, ref))
         sys.stdout.flush()
 
-    print("\n# GPT-3 175B on 1024 devices (all optimisations)")
+    print("\n# GPT-3 175B on 1024 devices (all optimisations; ref = the same with memo off)")
     print(HEADER)
-    print(fmt_row("175B 1024 dev, all", run("gpt3-175b", 1024, args.gbs, 0.0)))
+    big = run("gpt3-175b", 1024, args.gbs, 0.0)
+    big_slow = run("gpt3-175b", 1024, args.gbs, 0.0, memo=False)
+    big_own = run("gpt3-175b", 1024, args.gbs, 0.0, seeds=False)
+    print(fmt_row("175B 1024 dev, memo off", big_slow, big_slow))
+    print(fmt_row("175B 1024 dev, all", big, big_slow))
+    print(fmt_row("175B 1024 dev, all, no seeds", big_own, big_slow))
+    print(fmt_phases(big) + (f"; seed won: {big['seed_won']}" if big["seed_won"] else ""))
+
+    print("\n# small clusters, 4-layer model: search vs brute force of the same space (eth.planner.bruteforce)")
+    print(f"{'case':<36} {'search s':>9} {'memo off s':>10} {'brute s':>9} {'speedup':>8} "
+          f"{'iter ms':>10} {'brute ms':>10} {'iter/brute':>10}")
+    for label, model, cluster, gbs in tiny_cases():
+        t_on, ms = run_tiny(model, cluster, gbs)
+        t_off, ms_off = run_tiny(model, cluster, gbs, memo=False)
+        t_bf, bf = brute(model, cluster, gbs)
+        same = "" if ms == ms_off else f" (memo off: {ms_off:.3f} ms)"
+        print(f"{label:<36} {t_on:>9.2f} {t_off:>10.2f} {t_bf:>9.2f} {t_bf / t_on:>7.1f}x "
+              f"{ms:>10.3f} {bf:>10.3f} {ms / bf:>10.4f}{same}")
     return 0
 
 
