@@ -5,7 +5,9 @@ GPT-3 13B on 910B2/910B4 (half each, 8 devices per node, inter-node 200 Gbit/s,
 inter-type 100 Gbit/s) at 16..128 devices; the optimisation ablation (none, +cache,
 +skip, +order, +DP) on 13B / 64 devices; GPT-3 175B on 1024 devices.  Analytic
 (roofline) profiles.  Runs that hit their time limit are marked "(limit)": their
-iteration time is the best plan found within the limit.
+iteration time is the best plan found within the limit.  "search s" is wall time,
+"cpu s" the CPU time of this process (steadier when other processes share the CPUs);
+"speedup" / "cpu spd" are ref / row of each.
 
 Every size is also searched with ``SearchOptions.memo`` off (the planner-level memos
 and the sorted greedy of issue 11, same plans) and without seeds; the rows print the
@@ -44,14 +46,15 @@ def run(model_name: str, devices: int, gbs: int, limit: float, **switches) -> di
     model, cluster = get_model(model_name), b2b4(devices)
     db = ProfileDB()
     db.ensure(model, cluster.types.values())
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         plan = search(model, cluster, db, SearchOptions(gbs=gbs, time_limit=limit, **switches))
     except InfeasibleError as exc:
         return {"time_s": time.perf_counter() - start, "iter_ms": float("nan"), "limited": True,
-                "note": str(exc)[:60], "pipes": 0, "c": {}}
+                "note": str(exc)[:60], "pipes": 0, "c": {}, "cpu_s": time.process_time() - cpu}
     s = plan.search
-    return {"time_s": time.perf_counter() - start, "iter_ms": plan.predicted["iteration_ms"],
+    return {"time_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
+            "iter_ms": plan.predicted["iteration_ms"],
             "limited": s["time_limited"], "pipes": len(plan.pipelines), "c": s["candidates"], "note": "",
             "phases": s.get("phase_s", {}), "seed_won": s.get("seed_won")}
 
@@ -82,9 +85,9 @@ def run_tiny(model, cluster, gbs, **switches):
     from eth.profiles import ProfileDB
     db = ProfileDB()
     db.ensure(model, cluster.types.values())
-    start = time.perf_counter()
+    cpu = time.process_time()
     plan = search(model, cluster, db, SearchOptions(gbs=gbs, **switches))
-    return time.perf_counter() - start, plan.predicted["iteration_ms"]
+    return time.process_time() - cpu, plan.predicted["iteration_ms"]
 
 
 def brute(model, cluster, gbs):
@@ -92,9 +95,9 @@ def brute(model, cluster, gbs):
     from eth.profiles import ProfileDB
     db = ProfileDB()
     db.ensure(model, cluster.types.values())
-    start = time.perf_counter()
+    cpu = time.process_time()
     best, _ = brute_force(model, cluster, db, gbs)
-    return time.perf_counter() - start, best
+    return time.process_time() - cpu, best
 
 
 def context() -> str:
@@ -115,13 +118,14 @@ def fmt_row(label, r, ref=None):
     c = r["c"]
     cand = f"{c.get('evaluated', 0)}/{c.get('skipped', 0)}/{c.get('by_dp', 0)}" if c else "-"
     speed = f"{ref['time_s'] / r['time_s']:.1f}x" if ref else ""
+    cpu_speed = f"{ref['cpu_s'] / r['cpu_s']:.1f}x" if ref else ""
     ratio = f"{r['iter_ms'] / ref['iter_ms']:.4f}" if ref else ""
-    return (f"{label:<28} {r['time_s']:>8.2f}{lim:<8} {r['iter_ms']:>12.1f} {r['pipes']:>5} "
-            f"{cand:>14} {speed:>8} {ratio:>9} {r['note']}")
+    return (f"{label:<28} {r['time_s']:>8.2f}{lim:<8} {r['cpu_s']:>7.2f} {r['iter_ms']:>12.1f} {r['pipes']:>5} "
+            f"{cand:>14} {speed:>8} {cpu_speed:>8} {ratio:>9} {r['note']}")
 
 
-HEADER = (f"{'case':<28} {'search s':>8}{'':<8} {'iter ms':>12} {'pipes':>5} "
-          f"{'eval/skip/dp':>14} {'speedup':>8} {'iter/ref':>9}")
+HEADER = (f"{'case':<28} {'search s':>8}{'':<8} {'cpu s':>7} {'iter ms':>12} {'pipes':>5} "
+          f"{'eval/skip/dp':>14} {'speedup':>8} {'cpu spd':>8} {'iter/ref':>9}")
 
 
 def main(argv=None) -> int:
@@ -179,6 +183,7 @@ def main(argv=None) -> int:
     print(fmt_phases(big) + (f"; seed won: {big['seed_won']}" if big["seed_won"] else ""))
 
     print("\n# small clusters, 4-layer model: search vs brute force of the same space (eth.planner.bruteforce)")
+    print("# (CPU seconds of this process)")
     print(f"{'case':<36} {'search s':>9} {'memo off s':>10} {'brute s':>9} {'speedup':>8} "
           f"{'iter ms':>10} {'brute ms':>10} {'iter/brute':>10}")
     for label, model, cluster, gbs in tiny_cases():
