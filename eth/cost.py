@@ -23,10 +23,16 @@ Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
         gradients; with ZeRO 1/2 w + g + 12 / N, where the stage search uses N = the
         stage's dp, a lower bound of a block's participants, and :meth:`evaluate` of a
         whole plan the exact per-rank bytes of ``eth.sync_cost.rank_state_bytes``)
-    + activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
+    + the larger of two peaks that do not overlap in time:
+      activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
         min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
         contiguous run of recomputed ops in a layer frees its saved activations but
-        keeps the input of the run's first op (the checkpoint)
+        keeps the input of the run's first op (the checkpoint).  Not counted: the run
+        the backward re-materialises (bench/predictor_accuracy.py measures it: one
+        layer's freed bytes; the planner's recompute search assumes this form)
+      the optimizer step (activations freed): with ZeRO 1/2 the all-gather of the
+        updated weights into a full buffer, params x w bytes
+        (:meth:`CostModel._peak_extra`; bench/predictor_accuracy.py measures both)
     + reserved bytes (framework context and workspace, from the profile)
 
 Pipeline time, Eq. 1 (stage search, batch B = Gbs or Lbs) -- :func:`eq1_pipeline_ms`:
@@ -210,7 +216,8 @@ class CostModel:
             shape = self._cache[skey] = self._stage_shape(device_type, tp, mbs // dp, nl, first, last,
                                                           recompute, links)
         fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b = shape
-        memory = params * self.setup.state_bytes_per_param(dp) + inflight * max(act, 0.0) + reserved
+        memory = (params * self.setup.state_bytes_per_param(dp)
+                  + self._peak_extra(params, inflight * max(act, 0.0)) + reserved)
         capacity = self.cluster.types[device_type].memory_bytes
         cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
                          send_f, send_b)
@@ -283,6 +290,14 @@ class CostModel:
         bwd += send_b
         comm += send_f + send_b
         return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b
+
+    def _peak_extra(self, params: float, activations: float) -> float:
+        """Bytes above the model states at the device's peak: the activation peak, or the
+        optimizer step's (ZeRO 1/2: the updated weights all-gathered into a full buffer
+        of params x w bytes), whichever is larger -- the step runs after the backward has
+        freed the activations."""
+        gather = params * self.setup.weight_bytes if self.setup.zero_stage > 0 else 0.0
+        return max(activations, gather)
 
     @staticmethod
     def _recompute_savings(ops, recompute: dict[str, int]) -> float:

@@ -51,8 +51,20 @@ def _measured_peak(bench, plan, tmp_path) -> float:
     return peak
 
 
-@pytest.mark.parametrize("recompute", [{}, {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 2}],
-                         ids=["plain", "attention-recomputed"])
+FULL = {op: 4 for op in ("1st-layernorm", "qkv", "score", "softmax", "attn-dropout", "context", "attn-dense",
+                         "post-attn-dropout", "2nd-layernorm", "mlp-gemm-1", "gelu", "mlp-gemm-2",
+                         "post-mlp-dropout")}
+
+
+# Known gap: the backward re-materialises one recomputed layer at a time (~0.6 MiB here),
+# which eth.cost does not count (the planner's recompute search assumes its form): the
+# prediction is ~11% low.  strict: fixing it makes this case pass and must remove the mark.
+GAP = pytest.mark.xfail(strict=True, reason="recompute re-materialisation not in eth.cost memory")
+
+
+@pytest.mark.parametrize("recompute", [{}, {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 2},
+                                       pytest.param(FULL, marks=GAP)],
+                         ids=["plain", "attention-recomputed", "fully-recomputed"])
 def test_one_rank_memory_prediction_matches_tensor_bytes(bench, world_of_one, tmp_path, recompute):
     from eth.profiles import ProfileDB
 
@@ -60,6 +72,7 @@ def test_one_rank_memory_prediction_matches_tensor_bytes(bench, world_of_one, tm
     predicted = bench.predict(plan, ProfileDB.load(REPO / "profiles/measured/cpu.json"))["memory_bytes"][0]
     measured = _measured_peak(bench, plan, tmp_path)
     # fp32 states (w 4 + g 4 + AdamW main weights and moments 12 bytes per parameter, ~4.5 MiB)
-    # plus one micro-batch's saved activations (~2.7 MiB): what the cost model counts
-    assert measured > 6 * 2 ** 20
+    # plus one micro-batch's saved activations (~2.7 MiB; with full recompute the layer
+    # inputs plus one layer re-materialised in the backward, ~0.9 MiB)
+    assert measured > 5 * 2 ** 20
     assert predicted == pytest.approx(measured, rel=0.05)
