@@ -14,8 +14,8 @@ layout, and is pure torch (the tp layers themselves are megatron-core's):
   tp group and keeps the rank's group (its key and value head, shared by tp / kv_heads
   ranks) and its own heads / tp query heads.  :func:`split_qkv` cuts the tensor,
   :func:`scores` and :func:`context` are the unfused attention (query heads of a group
-  share their key / value through a reshape, no copy of k or v), :func:`fused_attention`
-  the one-kernel form;
+  share their key / value; backward keeps views of qkv, no copy of q, k or v),
+  :func:`fused_attention` the one-kernel form;
 * rotary position embeddings (:func:`rope_tables`, :func:`rotate_qk`): the "rotate
   half" form (GPT-NeoX / megatron-core's default, not interleaved), base 10000;
 * :class:`SwiGLU`: silu(gate) * up, keeping only its input for backward (recomputing
@@ -25,7 +25,9 @@ layout, and is pure torch (the tp layers themselves are megatron-core's):
 Fused attention is torch ``scaled_dot_product_attention`` (causal; on CPU and CUDA),
 or transformer-engine's ``DotProductAttention`` when transformer_engine is importable
 and the tensors are fp16/bf16 on CUDA (:func:`te_available`); neither keeps an s x s
-tensor for backward.
+tensor for backward -- except torch's SDPA on CPU with dropout > 0, which falls back to
+its math kernel and keeps the s x s probabilities and dropout mask (a measured CPU
+profile records those bytes; ``eth.model.op_shapes`` counts the fused kernels).
 """
 from __future__ import annotations
 
@@ -190,11 +192,19 @@ def split_qkv(qkv, groups: int, group: int, head_dim: int):
 
 
 def scores(qkv, groups: int, group: int, head_dim: int):
-    """Q K^T / sqrt(hd): [b, groups * group, s, s] (query heads in group order)."""
-    q, k, _ = split_qkv(qkv, groups, group, head_dim)
-    b, n, g, s, d = q.shape
-    out = torch.matmul(q.reshape(b, n, g * s, d), k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))
-    return out.view(b, n * g, s, s)
+    """Q K^T / sqrt(hd): [b, groups * group, s, s] (query heads in group order).
+
+    One GEMM per query head of a group, each on views of ``qkv``: backward then keeps
+    only the qkv storage (as ``eth.model.op_shapes`` counts it).  A single GEMM over the
+    group's g query heads would need q reshaped to [b, groups, g * s, hd], which is not
+    a view of the qkv layout for g > 1: autograd would keep that copy of q as well."""
+    s, b, _ = qkv.shape
+    x = qkv.view(s, b, groups, group + 2, head_dim)
+    k_t = x[:, :, :, group].permute(1, 2, 3, 0)                          # [b, groups, hd, s]
+    scale = 1.0 / math.sqrt(head_dim)
+    parts = [torch.matmul(x[:, :, :, j].permute(1, 2, 0, 3), k_t) * scale for j in range(group)]
+    out = parts[0] if group == 1 else torch.stack(parts, dim=2)         # [b, groups, g, s, s]
+    return out.reshape(b, groups * group, s, s)
 
 
 def causal_softmax(scores_):

@@ -241,22 +241,33 @@ def test_tp_must_divide_kv_heads_or_be_a_multiple():
 
 def test_measured_saved_bytes_of_llama_ops_are_op_shapes():
     """The profiler's measurement (storages each op packs for backward, fp32) of every
-    tiny-llama layer op at tp 1, 2 and 4 (> kv_heads) equals eth.model.op_shapes scaled to
-    4-byte elements, except the fp32 statistics, which do not scale: rmsnorm's rstd and
-    fused attention's log-sum-exp are b x s (x local heads) x 4 bytes in both."""
+    tiny-llama layer op at tp 1, 2 and 4 (> kv_heads), fused and unfused attention,
+    equals eth.model.op_shapes scaled to 4-byte elements, except the fp32 statistics,
+    which do not scale: rmsnorm's rstd and fused attention's log-sum-exp are b x s
+    (x local heads) x 4 bytes in both.  Unfused, as for the GPT (test_profile_ops): score
+    counts the whole qkv storage (the formula's score + context; with 2 query heads per
+    key/value head no copy of q is kept), context the probabilities again, softmax its
+    causal mask."""
     from eth.model import ACT_BYTES, layer_ops, op_shapes
     from megatron.hpp.profiler import ProfileConfig, measure_entries
 
-    spec, E, b = _spec(), 4, 2
-    s, heads = spec.seq_len, spec.heads
-    for entry in measure_entries(ProfileConfig(spec, "cpu", (b,), (1, 2, 4), repeats=1, warmup=0)):
-        tp, shapes = entry["tp"], op_shapes(spec, b, entry["tp"])
-        for op in layer_ops(spec):
-            scaled = shapes[op].act_bytes * E // ACT_BYTES
-            want = {"1st-rmsnorm": scaled - b * s * 4, "2nd-rmsnorm": scaled - b * s * 4,
-                    "fused-attention": scaled - b * (heads // tp) * s * 4}.get(op, scaled)
-            assert entry["ops"][op][3] == want, (op, tp, entry["ops"][op][3], want)
-        assert entry["ops"]["rotary"][3] == 0 and entry["ops"]["fused-attention"][3] > 0
+    E, b = 4, 2
+    for attention in ("fused", "unfused"):
+        spec = _spec(attention)
+        s, heads = spec.seq_len, spec.heads
+        for entry in measure_entries(ProfileConfig(spec, "cpu", (b,), (1, 2, 4), repeats=1, warmup=0)):
+            tp, shapes, ops = entry["tp"], op_shapes(spec, b, entry["tp"]), entry["ops"]
+            probs = b * (heads // tp) * s * s * E
+            qkv_out = shapes["qkv"].output_bytes * E // ACT_BYTES      # q, k, v: score + context
+            for op in layer_ops(spec):
+                scaled = shapes[op].act_bytes * E // ACT_BYTES
+                want = {"1st-rmsnorm": scaled - b * s * 4, "2nd-rmsnorm": scaled - b * s * 4,
+                        "fused-attention": scaled - b * (heads // tp) * s * 4,
+                        "softmax": scaled + s * s, "score": qkv_out, "context": probs}.get(op, scaled)
+                assert ops[op][3] == want, (attention, op, tp, ops[op][3], want)
+            assert ops["rotary"][3] == 0
+            if attention == "unfused":
+                assert qkv_out == (shapes["score"].act_bytes + shapes["context"].act_bytes) * E // ACT_BYTES
 
 
 def _random_qkv(groups=2, group=3, hd=8, s=16, b=2):
