@@ -119,13 +119,48 @@ def _bounded_reach(mbs, limits, gbs: int):
     return reach
 
 
-def exact_allocation(lines, mbs, gbs: int) -> tuple[int, ...] | None:
-    """Lbs with sum == gbs minimising max_i (A_i + B_i Lbs_i / Mbs_i); None if impossible."""
+def _bisect(ends, feasible, lo: int, hi: int) -> int:
+    """Smallest index in [lo, hi] whose end time is feasible (``ends[hi]`` is)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(ends[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _first_feasible(ends, feasible, guess: float) -> int:
+    """:func:`_bisect` over all of ``ends`` (feasibility is monotone in T; ``ends[-1]`` is
+    feasible), started at the ``guess`` (the greedy's end time, usually at or next to the
+    answer): if the guess is feasible, the answer is it unless the end below is feasible
+    too (then bisect below); otherwise gallop upwards to a feasible end and bisect the
+    last step.  The same index as plain bisection, in fewer tests."""
+    n = len(ends)
+    g = min(int(np.searchsorted(ends, guess)), n - 1)
+    if feasible(ends[g]):
+        if g == 0 or not feasible(ends[g - 1]):
+            return g
+        return _bisect(ends, feasible, 0, g - 1)
+    bad, step = g, 1
+    while True:
+        k = min(bad + step, n - 1)
+        if k == n - 1 or feasible(ends[k]):
+            return _bisect(ends, feasible, bad + 1, k)
+        bad, step = k, step * 2
+
+
+def exact_allocation(lines, mbs, gbs: int, guess: float | None = None) -> tuple[int, ...] | None:
+    """Lbs with sum == gbs minimising max_i (A_i + B_i Lbs_i / Mbs_i); None if impossible.
+
+    ``guess``: an end time near the answer (any value: the search from it returns the same
+    Lbs as plain bisection)."""
     P = len(lines)
     caps = [gbs // m for m in mbs]
     if any(c < 1 for c in caps):
         return None
-    ends = sorted({lines[i][0] + lines[i][1] * c for i in range(P) for c in range(1, caps[i] + 1)})
+    ends = np.unique(np.concatenate([a + b * np.arange(1, cap + 1, dtype=np.int64)
+                                     for (a, b), cap in zip(lines, caps)])).tolist()
 
     def limits(t):
         out = []
@@ -140,13 +175,7 @@ def exact_allocation(lines, mbs, gbs: int) -> tuple[int, ...] | None:
 
     if not feasible(ends[-1]):
         return None
-    lo, hi = 0, len(ends) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(ends[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = _first_feasible(ends, feasible, guess) if guess is not None else _bisect(ends, feasible, 0, len(ends) - 1)
     lim = limits(ends[lo])
     reach = _bounded_reach(mbs, lim, gbs)
     lbs, r = [0] * P, gbs
@@ -167,7 +196,7 @@ def allocate(lines, mbs, gbs: int, allow_overshoot: bool = False) -> Allocation 
     lbs = _greedy(lines, mbs, gbs)
     if sum(lbs) == gbs:
         return Allocation(tuple(lbs), end(lbs), True)
-    exact = exact_allocation(lines, mbs, gbs)
+    exact = exact_allocation(lines, mbs, gbs, end(lbs))
     if exact is not None:
         return Allocation(exact, end(exact), True)
     if allow_overshoot:

@@ -226,3 +226,18 @@ def test_sorted_greedy_equals_the_heap_loop():
         lines = [(rng.choice([0.0, 1.0, 2.5, rng.random() * 10]), rng.choice([0.0, 0.5, 1.0, 1 / 3, rng.random() * 3]))
                  for _ in range(P)]
         assert _greedy(lines, mbs, gbs) == _greedy_heap(lines, mbs, gbs), (lines, mbs, gbs)
+
+
+def test_exact_allocation_from_a_guess_equals_plain_bisection():
+    """exact_allocation started at any guess (allocate passes the greedy's end time)
+    returns what the plain bisection over all candidate end times returns."""
+    rng = random.Random(7)
+    for _ in range(1500):
+        P = rng.randint(1, 5)
+        mbs = [rng.choice([1, 2, 3, 4, 8]) for _ in range(P)]
+        gbs = rng.randint(1, 120)
+        lines = [(rng.choice([0.0, 1.0, rng.random() * 10]), rng.choice([0.5, 1.0, 1 / 3, rng.random() * 3]))
+                 for _ in range(P)]
+        ref = exact_allocation(lines, mbs, gbs)
+        for guess in (0.0, 1e9, rng.random() * 50, lines[0][0] + lines[0][1] * 3):
+            assert exact_allocation(lines, mbs, gbs, guess) == ref, (lines, mbs, gbs, guess)
