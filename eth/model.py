@@ -23,7 +23,7 @@ so LLaMA (rmsnorm, rope, swiglu, no bias) with unfused attention has 14 layer op
 with fused attention 11.  :func:`op_shapes` gives, for a micro-batch of
 ``mbs`` samples on one tensor-parallel rank of degree ``tp``:
 
-    flops_fwd / flops_bwd   floating point operations (backward = 2x forward)
+    flops_fwd / flops_bwd   floating point operations (backward = 2x forward; fused-attention 2.5x)
     weight_bytes            parameter bytes held by one tp rank (half precision)
     act_bytes               activation bytes saved for backward
     input_bytes/output_bytes  size of the op's input and output
@@ -335,7 +335,9 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     if spec.attention == "fused":
         # softmax(q k^T / sqrt(d)) v in one kernel: keeps q, k, v (its input), the output
         # and the fp32 log-sum-exp per row, never an s x s tensor; backward recomputes the
-        # scores (FlashAttention: 5 instead of 2 s x s GEMMs, 2.5 x the forward FLOPs)
+        # scores (FlashAttention: 5 instead of 2 s x s GEMMs, 2.5 x the forward FLOPs).
+        # FLOPs are the full s x s products, as the unfused ops count them; a causal
+        # kernel skips the masked blocks (about half), which measured profiles capture
         ops.append(_op("fused-attention", 4 * b * s * s * h // t + 5 * att, 0,
                        qkv_out + b * s * h // t * E + b * (a // t) * s * 4, qkv_out,
                        b * s * h // t * E, gemm=True, bwd_factor=2.5))
@@ -374,7 +376,8 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
 def tp_allgathers(spec: ModelSpec, mbs: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(forward all-gathers, backward reduce-scatters) of one layer when tp > kv_heads:
     megatron-core gathers the qkv GEMM's output over the tp group (so that every rank
-    sees its group's key and value head); bytes of the gathered tensor.  None otherwise."""
+    sees its group's key and value head); bytes of the gathered tensor.  ((), ()) when
+    tp <= kv_heads."""
     if tp <= spec.kv_heads:
         return (), ()
     full = mbs * spec.seq_len * spec.qkv_width * ACT_BYTES
