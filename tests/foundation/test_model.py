@@ -251,3 +251,34 @@ def test_profiles_and_plans_use_the_specs_op_set():
         plan.validate()
     plan.pipelines[0].stages[0].recompute = {"fused-attention": 2, "rotary": 1}
     assert plan.validate() is plan
+
+
+def test_cost_model_counts_the_qkv_all_gather_when_tp_exceeds_kv_heads():
+    """tp 4 > kv_heads 2: per layer one all-gather of the whole qkv output forward, one
+    reduce-scatter backward, and the all-gather again when qkv is recomputed; tp 4 with
+    4 kv heads (tp divides them) has neither."""
+    from dataclasses import replace
+
+    from _foundation_data import flat_profile
+    from eth.cluster import Cluster
+    from eth.cost import CostModel
+    from eth.profiles import DeviceProfile, ProfileDB, collective_ms
+
+    cluster = Cluster.from_dict({"name": "c", "inter_node_gbps": 10,
+                                 "nodes": [{"type": "cpu", "devices_per_node": 4}]})
+
+    def stage(spec, recompute=None):
+        db = ProfileDB({"cpu": DeviceProfile(flat_profile(model=spec, mbs=(1,), tp=(4,)))})
+        model = CostModel(spec, cluster, db)
+        cost = model.stage_cost("cpu", tp=4, dp=1, layers=(0, 2), mbs=1, recompute=recompute)
+        return cost, model.stage_links("cpu", 4)[0]
+
+    (gqa, link), (mha, _) = stage(LLAMA), stage(replace(LLAMA, kv_heads=4))
+    full = 1 * 4 * 16 * 2                     # b s (h + 2 kv hd) E: the gathered qkv output
+    ag, rs = collective_ms("all_gather", 4, full, link), collective_ms("reduce_scatter", 4, full, link)
+    assert ag > 0 and rs > 0
+    assert gqa.comm_ms - mha.comm_ms == pytest.approx(2 * (ag + rs))      # 2 layers
+    assert gqa.fwd_ms - mha.fwd_ms == pytest.approx(2 * ag)
+    assert gqa.bwd_ms - mha.bwd_ms == pytest.approx(2 * rs)
+    again, _ = stage(LLAMA, {"qkv": 1})
+    assert again.recompute_ms - gqa.recompute_ms == pytest.approx(1.0 + ag)   # qkv's 1 ms + its gather
