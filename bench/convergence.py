@@ -91,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=1e-4, help="cosine decay floor")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up iterations")
+    p.add_argument("--same-weights", type=int, default=None, metavar="K",
+                   help="the first run also saves a checkpoint after iteration K; every plan then resumes "
+                        "from it for iteration K+1, whose losses show whether the plans compute the same "
+                        "loss on the same weights and batch (default: the window's start, --iters - "
+                        "--window; 0: no check)")
     p.add_argument("--eval-iters", type=int, default=10,
                    help="validation global batches evaluated after the last iteration (0: none)")
     p.add_argument("--data-path", nargs="+", default=[str(REPO / "megatron/hpp/corpus/english")],
@@ -115,6 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise BenchError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if args.window > args.iters:
         raise BenchError(f"--window {args.window} is larger than --iters {args.iters}")
+    if args.same_weights is None:
+        args.same_weights = args.iters - args.window
+    if not 0 <= args.same_weights < args.iters:
+        raise BenchError(f"--same-weights {args.same_weights} must be in [0, --iters {args.iters})")
     if args.warmup < 0 or args.warmup >= args.iters:
         raise BenchError(f"--warmup {args.warmup} must be in [0, --iters {args.iters})")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
@@ -221,10 +230,13 @@ def make_plan(model, cluster_path, gbs: int, strategy: str, precision: str, out:
 
 
 # ---------------------------------------------------------------- training
-def parse_log(lines, expect: int | None = None) -> tuple[list[float], list[float], dict]:
+def parse_log(lines, expect: int | None = None, first: int = 1,
+              stop: int | None = None) -> tuple[list[float], list[float], dict]:
     """Per-iteration losses, iteration times (ms) and validation losses by iteration from
-    rank 0's ``--log-interval 1`` metric lines; other lines are ignored.  With ``expect``,
-    the lines must be iterations 1..expect of an ``expect``-iteration run, in order."""
+    rank 0's ``--log-interval 1`` metric lines; other lines are ignored.  The lines must be
+    iterations ``first``, ``first + 1``, ... in order; with ``expect`` (the run's
+    --train-iters) they must be those of an ``expect``-iteration run, up to ``stop``
+    (default ``expect``)."""
     losses, times, valid = [], [], {}
     for line in lines:
         v = VALID_LINE.match(line)
@@ -234,40 +246,43 @@ def parse_log(lines, expect: int | None = None) -> tuple[list[float], list[float
         if not m:
             continue
         it, total, loss = int(m.group(1)), int(m.group(2)), float(m.group(3))
-        if it != len(losses) + 1 or (expect is not None and total != expect):
+        if it != first + len(losses) or (expect is not None and total != expect):
             raise ValueError(f"metric line for iteration {it}/{total} after {len(losses)} iteration(s): "
                              f"not a --log-interval 1 log of one run")
         losses.append(loss)
         t = TIME_FIELD.search(line)
         times.append(float(t.group(1)) if t else math.nan)
-    if expect is not None and len(losses) != expect:
-        raise ValueError(f"{len(losses)} metric lines, expected {expect}")
+    if expect is not None and len(losses) != (stop or expect) - first + 1:
+        raise ValueError(f"{len(losses)} metric lines, expected {(stop or expect) - first + 1}")
     return losses, times, valid
 
 
-def train_command(plan_path: Path, world: int, args) -> list[str]:
+def train_command(plan_path: Path, world: int, args, extra=()) -> list[str]:
     train = [str(REPO / "pretrain_gpt.py"), "--hpp-plan", str(plan_path), "--train-iters", str(args.iters),
              "--log-interval", "1", "--seed", str(args.seed), "--lr", repr(args.lr),
              "--min-lr", repr(args.min_lr), "--warmup", str(args.warmup),
              "--data-path", *args.data_path]
-    if args.eval_iters:  # one evaluation, after the last iteration
-        train += ["--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters)]
+    train += list(extra)
     if world == 1:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
             *train]
 
 
-def train(name: str, plan_path: Path, world: int, args, workdir: Path) -> dict:
-    """Run one training; returns its losses, iteration times and wall seconds."""
+def train(name: str, plan_path: Path, world: int, args, workdir: Path, extra=(), first: int = 1,
+          stop: int | None = None, label: str | None = None) -> dict:
+    """Run one training (iterations ``first``..``stop`` of an ``--iters`` run; ``extra``:
+    more pretrain_gpt.py flags); returns its losses, iteration times, the validation loss
+    after ``--iters`` (when evaluated) and wall seconds."""
     from tqdm import tqdm
 
-    cmd = train_command(plan_path, world, args)
-    log_path, err_path = workdir / f"{name}.log", workdir / f"{name}.stderr"
+    label, stop = label or name, stop or args.iters
+    cmd = train_command(plan_path, world, args, extra)
+    log_path, err_path = workdir / f"{label}.log", workdir / f"{label}.stderr"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
     lines = []
-    bar = tqdm(total=args.iters, desc=f"{name:8s} ({world} rank{'s' if world > 1 else ''})", unit="it",
+    bar = tqdm(total=stop - first + 1, desc=f"{label:8s} ({world} rank{'s' if world > 1 else ''})", unit="it",
                disable=args.no_progress, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
     with open(log_path, "w") as log, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -292,15 +307,60 @@ def train(name: str, plan_path: Path, world: int, args, workdir: Path) -> dict:
     if code != 0:
         tail = (err_path.read_text().strip().splitlines() or ["(no stderr)"])[-8:]
         what = f"timed out after {args.timeout:.0f} s" if code is None else f"exit code {code}"
-        print(f"error: {name} training run failed ({what}): {shlex.join(cmd)}\n  " + "\n  ".join(tail),
+        print(f"error: {label} training run failed ({what}): {shlex.join(cmd)}\n  " + "\n  ".join(tail),
               file=sys.stderr)
         raise SystemExit(1)
-    losses, times, valid = parse_log(lines, expect=args.iters)
-    if args.eval_iters and args.iters not in valid:
+    losses, times, valid = parse_log(lines, expect=args.iters, first=first, stop=stop)
+    if "--eval-interval" in extra and args.iters not in valid:
         print(f"error: {name}: no validation loss line at iteration {args.iters} in {log_path}", file=sys.stderr)
         raise SystemExit(1)
     return {"losses": losses, "times_ms": times, "valid": valid.get(args.iters), "wall_s": wall,
             "command": shlex.join(cmd)}
+
+
+def same_weights(results: dict, worlds: dict, args, workdir: Path, ckpt: Path) -> dict:
+    """Resume every run's plan from the first run's checkpoint after iteration K for one
+    iteration; returns K, the first run's name and each plan's loss of iteration K+1."""
+    import shutil
+
+    k, source = args.same_weights, next(iter(results))
+    saved = ckpt / f"iter_{k:07d}"
+    if not (saved / "common.json").is_file():
+        print(f"error: {source} run left no checkpoint {saved}", file=sys.stderr)
+        raise SystemExit(1)
+    load = workdir / f"from-{source}-{k}"   # a folder whose latest checkpoint is iteration k
+    shutil.rmtree(load, ignore_errors=True)
+    shutil.copytree(saved, load / saved.name)
+    (load / "latest").write_text(saved.name)
+    losses = {}
+    for name in results:
+        r = train(name, workdir / f"{name}.json", worlds[name], args, workdir,
+                  ["--load", str(load), "--exit-interval", str(k + 1)], first=k + 1, stop=k + 1,
+                  label=f"{name}@{k}")
+        losses[name] = r["losses"][0]
+    return {"k": k, "source": source, "losses": losses,
+            "own": results[source]["losses"][k]}  # the source run's own iteration k+1
+
+
+def format_same(same: dict, args, md: bool = False) -> str:
+    k, src, losses = same["k"], same["source"], same["losses"]
+    ref = losses[src]
+    spread = max(abs(v - ref) / ref for v in losses.values())
+    text = (f"same weights: every plan resumed from the {src} run's checkpoint after iteration {k} "
+            f"for iteration {k + 1} (same batch): loss " + ", ".join(f"{n} {v:.6f}" for n, v in losses.items())
+            + f"; largest relative difference to {src} {spread:.4%}; the {src} run itself had "
+            f"{same['own']:.6f} at iteration {k + 1}"
+            + (" (resume exact)" if same["own"] == ref else f" (resume off by {abs(same['own'] - ref):.2e})"))
+    if not md:
+        return text
+    verdict = (f"On the same weights and batch the plans' losses agree to {spread:.4%}: the plans read the "
+               f"same data and compute the same loss, so the differences between the curves above are "
+               f"rounding ({args.precision}) that differs between plans (micro-batch sizes, tp and dp "
+               f"reductions) and compounds along each run's own trajectory."
+               if spread < 1e-3 else
+               f"On the same weights and batch the plans' losses differ by {spread:.4%}: more than rounding; "
+               f"the plans do not compute the same loss.")
+    return f"Same-weights check: {text[len('same weights: '):]}.\n\n{verdict}"
 
 
 # ---------------------------------------------------------------- numbers
@@ -433,7 +493,7 @@ def loadavg() -> str:
         return "n/a"
 
 
-def write_md(path: Path, results, cmp, model, plans, args, argv, load_before, load_after) -> None:
+def write_md(path: Path, results, cmp, same, model, plans, args, argv, load_before, load_after) -> None:
     from eth.fileio import atomic_write_text
     from eth.report import format_plan_table
 
@@ -476,6 +536,8 @@ def write_md(path: Path, results, cmp, model, plans, args, argv, load_before, lo
         valid = f"; validation loss {d['valid_rel']:+.3%}" if d["valid_rel"] is not None else ""
         lines.append(f"* {a} vs {b}: {d['rel']:+.3%} (largest single-iteration difference in the "
                      f"window: {d['max_iter_rel']:.3%}{valid})")
+    if same:
+        lines += ["", format_same(same, args, md=True)]
     out = shown(args.out)
     lines += ["", f"Curves: `{out}/convergence.png`; per-iteration losses: "
                   f"`{out}/convergence.csv`.  Iteration times are rank 0's wall clock on a "
@@ -516,16 +578,23 @@ def _main(argv) -> int:
         print(f"model {model.name}: {model.num_params():,} parameters; {args.iters} iterations of gbs "
               f"{args.gbs} x seq {model.seq_len}, {args.precision}; load average {loadavg()}", flush=True)
         load_before = loadavg()
-        results = {}
+        results, k, ckpt = {}, args.same_weights, workdir / "checkpoints"
         for name in args.runs:
-            results[name] = train(name, workdir / f"{name}.json", worlds[name], args, workdir)
+            extra = ["--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters)] \
+                if args.eval_iters else []
+            if k and name == args.runs[0]:
+                extra += ["--save", str(ckpt), "--save-interval", str(k)]
+            results[name] = train(name, workdir / f"{name}.json", worlds[name], args, workdir, extra)
             results[name]["world"] = worlds[name]
+        same = same_weights(results, worlds, args, workdir, ckpt) if k else None
         load_after = loadavg()
         cmp = compare(results, args.window)
         print(format_summary(results, cmp, args))
+        if same:
+            print(format_same(same, args))
         write_csv(out / "convergence.csv", results)
         plot(out / "convergence.png", results, model, args)
-        write_md(out / "convergence.md", results, cmp, model, plans, args,
+        write_md(out / "convergence.md", results, cmp, same, model, plans, args,
                  sys.argv[1:] if argv is None else argv, load_before, load_after)
         print(f"wrote {out / 'convergence.csv'}, {out / 'convergence.png'}, {out / 'convergence.md'}")
     finally:

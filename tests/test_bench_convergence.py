@@ -25,7 +25,7 @@ def _step(loss, ms):
                            skipped=False, loss_scale=1.0, nonfinite=False, peak_mem_bytes=[2**30, 2**30])
 
 
-def _log(interval, losses, times_ms, valid=None):
+def _log(interval, losses, times_ms, valid=None, start=0, total=None):
     """Rank 0's stdout as pretrain_gpt.py prints it: the metrics logger's lines (and the
     evaluation's), with other lines around them."""
     from eth.plan import load_plan
@@ -34,12 +34,13 @@ def _log(interval, losses, times_ms, valid=None):
 
     plan = load_plan(REPO / "examples/plans/cpu-demo.json")
     lines = ["training tiny with 2 pipeline(s) on 4 ranks (gloo) | ..."]
-    log = MetricsLogger(plan, len(losses), interval, lambda it: 1e-3, out=lines.append,
+    log = MetricsLogger(plan, total or len(losses), interval, lambda it: 1e-3, out=lines.append,
                         warn=lines.append, emulated=True)
-    for it, (loss, ms) in enumerate(zip(losses, times_ms)):
+    for it, (loss, ms) in enumerate(zip(losses, times_ms), start):
         log.record(it, _step(loss, ms))
+    log.close()
     if valid is not None:
-        lines.append(eval_line(len(losses), valid, 4))
+        lines.append(eval_line(start + len(losses), valid, 4))
     lines.append("saved /tmp/x/iter_0000003")
     return lines
 
@@ -53,6 +54,11 @@ def test_parse_log_reads_the_metrics_logger_lines(bench):
         bench.parse_log([x for x in lines if not x.startswith("iteration 3/")], expect=3)  # stopped early
     with pytest.raises(ValueError, match="iteration 1/3 after 0"):
         bench.parse_log(lines, expect=4)                       # another run's log
+    # a run resumed after iteration 250 of 300 that stops after 251 (--exit-interval 251)
+    lines = _log(1, [2.0371], [650.0], start=250, total=300)
+    assert bench.parse_log(lines, expect=300, first=251, stop=251)[0] == [2.0371]
+    with pytest.raises(ValueError, match="iteration 251/300 after 0"):
+        bench.parse_log(lines, expect=300)
     # averages over two iterations are not per-iteration losses
     with pytest.raises(ValueError, match="iteration 2/3 after 0"):
         bench.parse_log(_log(2, losses, times), expect=3)
@@ -78,6 +84,7 @@ def test_compare_window_means_and_relative_differences(bench):
     (["--runs", "hpp,megatron"], "unknown run 'megatron'"),
     (["--gbs", "0"], "--gbs must be a positive integer, got 0"),
     (["--eval-iters", "-1"], "--eval-iters must be 0 or more"),
+    (["--iters", "300", "--same-weights", "300"], "--same-weights 300 must be in [0, --iters 300)"),
     (["--iters", "x"], "argument --iters: invalid int value: 'x'"),
     (["--model", "small", "--set", "depth=4"], "unknown model field 'depth'"),
     (["--model", "small", "--set", "hidden"], "expected FIELD=VALUE"),
