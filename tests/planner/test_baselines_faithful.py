@@ -3,7 +3,6 @@ restrictions, brute force over their own spaces on tiny cases, the mixed-type st
 formulas, and strong >= faithful in predicted speed."""
 import itertools
 import math
-from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +15,7 @@ from eth.planner.baselines.common import BaselineOptions, proportional_split
 from eth.planner.baselines.hexiscale import fixed_micro
 from eth.planner.baselines.metis import MetisSearch
 from eth.planner.bruteforce import compositions
-from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
+from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluator
 
 from _planner_data import A2R2, M4, M6, make_cluster, profiles_for

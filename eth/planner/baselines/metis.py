@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from eth.cost import CostModel, StageCost, eq5_end_times, eq6_allreduce_ms
+from eth.cost import CostModel, StageCost, eq5_end_times
 from eth.errors import InfeasibleError
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
