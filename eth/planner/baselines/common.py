@@ -58,8 +58,8 @@ class BaselineOptions:
     """Cost evaluations of the HPP stage balancer per stage device group (metis,
     typesplit), scaled by the adaptive rule of section 6."""
     max_micro: int = 64
-    """uniform / hexiscale-strong: largest per-replica micro-batch (mbs / dp) tried;
-    metis: largest micro-batch of the pipeline tried."""
+    """uniform / hexiscale-strong: largest per-replica micro-batch (mbs / dp) tried (metis
+    tries every power of two dividing gbs)."""
     fixed_mbs: int = 4
     """hexiscale (faithful): its one fixed micro-batch size (4, as in the paper's Table 3
     HexiScale plan); lowered to the largest power of two dividing Lbs when Lbs is smaller
