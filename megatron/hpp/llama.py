@@ -198,11 +198,10 @@ def scores(qkv, groups: int, group: int, head_dim: int):
     only the qkv storage (as ``eth.model.op_shapes`` counts it).  A single GEMM over the
     group's g query heads would need q reshaped to [b, groups, g * s, hd], which is not
     a view of the qkv layout for g > 1: autograd would keep that copy of q as well."""
-    s, b, _ = qkv.shape
-    x = qkv.view(s, b, groups, group + 2, head_dim)
-    k_t = x[:, :, :, group].permute(1, 2, 3, 0)                          # [b, groups, hd, s]
-    scale = 1.0 / math.sqrt(head_dim)
-    parts = [torch.matmul(x[:, :, :, j].permute(1, 2, 0, 3), k_t) * scale for j in range(group)]
+    q, k, _ = split_qkv(qkv, groups, group, head_dim)                   # q [b, groups, g, s, hd]
+    b, _, _, s, _ = q.shape
+    k_t, scale = k.transpose(-1, -2), 1.0 / math.sqrt(head_dim)
+    parts = [torch.matmul(q_j, k_t) * scale for q_j in q.unbind(2)]     # views: no copy saved
     out = parts[0] if group == 1 else torch.stack(parts, dim=2)         # [b, groups, g, s, s]
     return out.reshape(b, groups * group, s, s)
 
