@@ -7,7 +7,7 @@
    unless ``--profile FILE`` names a measured profile to use.
 2. Builds the configurations of :data:`CONFIGS` (tiny GPT, fp32, gbs 16; homogeneous
    and heterogeneous through ``emulate_speed``, 1-3 pipelines, tp and dp stages, with
-   and without recompute), predicts each with ``eth.cost.CostModel`` from that profile
+   and without recompute; and the README main job's plan), predicts each with ``eth.cost.CostModel`` from that profile
    (emulated types: the ``cpu`` profile / speed, ``eth.profiles.emulated_profile``), and
    runs it under torchrun on gloo (one launch per configuration, this file's
    ``--worker`` mode: ``megatron.hpp.training.Trainer``, synthetic data).
@@ -103,7 +103,15 @@ CONFIGS = {
         [(4, 8, [([0, 1], "cpu-a", 2, 1, (0, 4), {})]),
          (2, 6, [([2], "cpu-a", 1, 1, (0, 4), {})]),
          (1, 2, [([3], "cpu-b", 1, 1, (0, 2), {"gelu": 2}), ([4], "cpu-b", 1, 1, (2, 4), {})])])),
+    "demo": ("the README main job's plan (examples/plans/cpu-demo.json: cpu-fast 0.5, cpu-slow 0.128, ZeRO 1)",
+             lambda: _demo_plan()),
 }
+
+
+def _demo_plan():
+    from eth.plan import load_plan
+
+    return load_plan(ROOT / "examples" / "plans" / "cpu-demo.json")
 
 
 # ----------------------------------------------------------------------------------
@@ -194,7 +202,7 @@ def profile_cpu(path: Path) -> str:
     cmd = [sys.executable, str(ROOT / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type", "cpu",
            "--mbs", "1,2,4,8,16", "--tp", "1,2", "--repeats", "20", "--no-progress", "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
-    return shlex.join(["python"] + cmd[1:])
+    return shlex.join(["python", "tools/profile_ops.py"] + cmd[2:-1] + ["<tmp>/cpu.json"])
 
 
 def _env() -> dict:
@@ -303,7 +311,16 @@ def main(argv=None) -> int:
         f"{os.cpu_count()} CPUs  ", f"profile: `{prof_cmd}`  ",
         f"emulated types: cpu-a emulate_speed {SPEED_A}, cpu-b {SPEED_B}; tiny GPT, fp32, gbs {GBS}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations (medians)", "",
-        *header, *rows, "", summary, ""])
+        *header, *rows, "", summary, "",
+        "Predicted: `eth.cost.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
+        "slowest stage's forward + backward x micro-batches, without tp collectives and p2p; "
+        "per rank model states + activations, reserved bytes left out).  Measured: median wall "
+        "time of the timed iterations; the runtime's compute per pipeline (thread CPU time / "
+        "emulate_speed, slowest rank); peak tensor bytes (torch.profiler, first 2 iterations).  "
+        "Eq. 5 has no optimizer step, loss / norm all-reduces or data loading: they are in the "
+        "measured iteration.  The emulated types need about one core for all ranks together: "
+        "with the load average above the core count, ranks wait for a core longer than the "
+        "emulation sleeps and measured times grow with the load (see the load column).", ""])
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     from eth.fileio import atomic_write_text
