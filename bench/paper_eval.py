@@ -29,7 +29,7 @@ eth.model.op_shapes (forward + backward = 3 x forward, no recompute) x gbs;
 efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
 "infeasible" (the paper's OOM).
 
-    python bench/paper_eval.py --quick              # subset, < 1 minute -> bench/results/quick/
+    python bench/paper_eval.py --quick              # subset, ~1-2 minutes -> bench/results/quick/
     python bench/paper_eval.py --time-limit 60      # everything (many minutes)
     python bench/paper_eval.py --only table2 --models gpt3-13b --pairs b2b4
     python bench/paper_eval.py --only sensitivity
@@ -504,11 +504,15 @@ def table3_lines(rows: list[Row], table2: list[Row]) -> list[str]:
     for r in rows:
         peak = r.note.split("peak memory ")[-1].split(" x")[0]
         o = ours.get(r.strategy)
+        won = o.seed_won if r.strategy == "hpp" and o is not None and o.seed_won else "-"
         body.append([r.strategy, f"{r.sim_ms / 1e3:.2f} ({r.pred_ms / 1e3:.2f})",
                      f"{peak} x" + ("" if r.status == "ok" else " (OOM)"), _cell_time(o),
-                     f"{r.sim_ms / o.sim_ms:.2f}" if o is not None and o.status == "ok" else "-"])
+                     f"{r.sim_ms / o.sim_ms:.2f}" if o is not None and o.status == "ok" else "-", won])
+    for name in ("hpp-noseeds", "metis-strong", "hexiscale-strong"):   # no paper plan of their own
+        if name in ours:
+            body.append([name, "-", "-", _cell_time(ours[name]), "-", "-"])
     lines += _md_table(["system", "paper's plan", "peak memory / capacity", "our search's plan",
-                        "paper plan / ours"], body)
+                        "paper plan / ours", "seed won"], body)
     return lines
 
 
@@ -641,7 +645,7 @@ def plot_sweep(rows: list[Row], sweep: str, path: Path) -> None:
 # ------------------------------------------------------------------------------ main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    p.add_argument("--quick", action="store_true", help="a subset (about a minute on an idle machine)")
     p.add_argument("--only", choices=("table2", "table3", "sweeps", "sensitivity"), help="run only this part")
     p.add_argument("--models", nargs="+", help="Table 2 models (default: all, quick: 350m, 1.3b)")
     p.add_argument("--pairs", nargs="+", help="device pairs (default: all, quick: b2b4, a100-3090)")
