@@ -92,6 +92,10 @@ def _main(argv=None) -> int:
               f"{', '.join(added)}", file=sys.stderr)
     print(format_plan_table(plan))
     print(format_search_line(plan))
+    mixed = plan.search.get("mixed_type_best")
+    if mixed:  # faithful Metis: a layout the plan format cannot hold (one device type per stage)
+        print(f"note: a Metis layout with mixed-type stages is predicted {mixed['iteration_ms']:.1f} ms "
+              f"(plan.search.mixed_type_best); the plan holds the best single-type layout")
     print("(headings and abbreviations: tools/show_plan.py --legend, or hpp-show --legend)")
     if args.output:
         plan.save(args.output)
