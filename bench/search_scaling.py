@@ -27,6 +27,10 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # the planner of this checkout, not an installed one
 
 
 def b2b4(devices: int):
@@ -103,13 +107,14 @@ def brute(model, cluster, gbs):
 def context() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "?"
+                                check=False, cwd=ROOT).stdout.strip() or "?"
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "eth", "bench"], capture_output=True,
-                               text=True, check=False).stdout.strip()
+                               text=True, check=False, cwd=ROOT).stdout.strip()
     except OSError:
         commit, dirty = "?", ""
     load = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
-    return (f"# command: python {' '.join(sys.argv)}\n# commit {commit}{' (+ local changes)' if dirty else ''}, "
+    import eth
+    return (f"# command: python {' '.join(sys.argv)}  (eth from {Path(eth.__file__).parent})\n# commit {commit}{' (+ local changes)' if dirty else ''}, "
             f"load average {load}, {os.cpu_count()} CPUs")
 
 
