@@ -103,7 +103,7 @@ CONFIGS = {
         [(4, 8, [([0, 1], "cpu-a", 2, 1, (0, 4), {})]),
          (2, 6, [([2], "cpu-a", 1, 1, (0, 4), {})]),
          (1, 2, [([3], "cpu-b", 1, 1, (0, 2), {"gelu": 2}), ([4], "cpu-b", 1, 1, (2, 4), {})])])),
-    "demo": ("the README main job's plan (examples/plans/cpu-demo.json: cpu-fast 0.5, cpu-slow 0.128, ZeRO 1)",
+    "demo": ("the README main job's plan (examples/plans/cpu-demo.json: cpu-fast 0.25, cpu-slow 0.064, ZeRO 1)",
              lambda: _demo_plan()),
 }
 
