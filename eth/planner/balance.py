@@ -162,8 +162,37 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) 
     half = state.mbs // 2
     if half >= 1 and state.mbs % 2 == 0 and all(half % s.dp == 0 for s in stages):
         out.append(PipeState(state.stages, half))
+    # few micro-batches (B / Mbs < 2 S): tp x2 or /2 on every stage of the bottleneck's
+    # type, or on every stage, at once, with the Mbs the new dps allow (a smaller Mbs
+    # needs every stage's dp to shrink, which single-stage exchanges cannot reach one
+    # step at a time)
+    if batch < 2 * len(stages) * state.mbs:
+        out += _type_wide(ev, state, st.device_type, batch, ranks)
+        if len({s.device_type for s in stages}) > 1:
+            out += _type_wide(ev, state, None, batch, ranks)
     # re-split layers by current speed
     out.append(resplit(ev, state))
+    return out
+
+
+def _type_wide(ev: Evaluator, state: PipeState, device_type, batch: int, ranks) -> list[PipeState]:
+    """tp x2 (and, separately, /2) on every stage of ``device_type`` (None: every stage)."""
+    out = []
+    for up in (True, False):
+        new = list(state.stages)
+        for k, s in enumerate(new):
+            if device_type is not None and s.device_type != device_type:
+                continue
+            tps = ev.valid_tps(s.device_type, s.ndev, ranks[k] if ranks else None)
+            tp = s.tp * 2 if up else s.tp // 2
+            if tp not in tps:
+                break
+            new[k] = s.with_tp(tp)
+        else:
+            base = _lcm(x.dp for x in new)
+            for mbs in sorted({state.mbs, state.mbs // 2, base}):
+                if mbs >= 1 and mbs % base == 0 and batch % mbs == 0:
+                    out.append(PipeState(tuple(new), mbs))
     return out
 
 

@@ -273,3 +273,20 @@ def test_small_batch_reaches_the_seeds_plans_without_them():
     assert unseeded.predicted["iteration_ms"] <= min(plan.search["seeds_ms"].values()) * (1 + 1e-6)
     assert plan.predicted["iteration_ms"] == pytest.approx(unseeded.predicted["iteration_ms"])
     assert plan.search["strategy"] == "hpp" and plan.validate()
+
+
+def test_few_micro_batches_move_every_stage_tp_at_once():
+    """GPT-3 13B on b2b4-64 at gbs 16: Metis's plan (910B2 first, 4 stages of 8 at tp 4,
+    then 2 stages of 16 910B4 at tp 8, mbs 2) lies in HPP's space, but from the warm start
+    (tp 2 / 4, mbs 4) no single-stage move improves: mbs 2 needs every stage's dp <= 2.
+    With fewer than 2 micro-batches per stage the balancer also doubles / halves the tp of
+    every stage of the bottleneck's type, or of every stage, at once; the unseeded search
+    then reaches it (700.8 ms; 743.5 ms before)."""
+    from eth.cluster import load_cluster
+    from eth.planner.baselines import plan_baseline
+    cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/b2b4-64.yaml")
+    model = get_model("gpt3-13b")
+    db = profiles_for(model, cluster)
+    hpp = search(model, cluster, db, SearchOptions(gbs=16, seeds=False)).predicted["iteration_ms"]
+    for strategy in ("metis", "metis-strong", "uniform"):
+        assert hpp <= plan_baseline(strategy, model, cluster, db, 16).predicted["iteration_ms"] * (1 + 1e-9)
