@@ -20,7 +20,7 @@ whose planner space has a plan):
 
     search                        vs planner-space optimum                   vs full-space optimum
                                   median  mean   p95    max    at opt.  >1%   median  p95    max
-    core (seeds off, polish off)  0       2.1%   10.0%  81.0%  69%      39    1.5%    23.6%  815%
+    core (seeds off, polish off)  0       2.0%   9.0%   81.0%  69%      39    1.5%    23.6%  815%
     core + polish (seeds off)     0       0.29%  2.2%   13.3%  92%      10    0       20.5%  406%
     search() (seeds + polish)     0       0.27%  1.7%   13.3%  92%      9     0       20.5%  406%
 
@@ -186,7 +186,7 @@ def percentile(values, q: float) -> float:
 
 
 @pytest.mark.parametrize("label, mean, p95, worst, at_optimum", [
-    ("core", 0.03, 0.12, 0.85, 0.65),             # measured 2.1%, 10.0%, 81.0%, 0.69
+    ("core", 0.03, 0.12, 0.85, 0.65),             # measured 2.0%, 9.0%, 81.0%, 0.69
     ("core + polish", 0.005, 0.03, 0.15, 0.88),   # measured 0.29%, 2.2%, 13.3%, 0.92
     ("search()", 0.005, 0.03, 0.15, 0.88),        # measured 0.27%, 1.7%, 13.3%, 0.92
 ])
