@@ -212,14 +212,32 @@ class GradReducer:
         self.hooks = []
 
 
-def global_grad_norm(reducer: GradReducer, device) -> float:
-    """L2 norm of the full reduced gradient, every element counted once (all ranks call).
-    Like ``clip_grad_norm_``: an fp32 norm per piece of gradient, their squares summed
-    in fp64."""
+NORM_ROW = 1024
+"""Elements per fp32 partial sum of a gradient norm (their squares are summed in fp64)."""
+
+
+def squared_norm(grads, device) -> torch.Tensor:
+    """fp64 sum of squares of ``grads``.  Each gradient is cut into rows of NORM_ROW
+    elements whose fp32 norms come from one kernel; the rows' squares add in fp64, so a
+    buffer of millions of elements is as accurate as a small one (measured on CPU, squared
+    norm of 20 M normal numbers: rows of 1024 off by 1e-9 relative, rows of 65536 by 3e-7,
+    one fp32 norm by 2e-3; all three take the same time)."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in reducer.norm_grads():
-        if grad.numel():
-            sq += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).double() ** 2
+    for grad in grads:
+        flat = grad.detach().reshape(-1)
+        full = flat.numel() // NORM_ROW * NORM_ROW
+        if full:
+            rows = torch.linalg.vector_norm(flat[:full].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
+            sq += rows.double().square().sum()
+        if flat.numel() > full:
+            sq += torch.linalg.vector_norm(flat[full:], dtype=torch.float32).double() ** 2
+    return sq
+
+
+def global_grad_norm(reducer: GradReducer, device) -> float:
+    """L2 norm of the full reduced gradient, every element counted once (all ranks call):
+    :func:`squared_norm` of this rank's pieces, summed over ranks."""
+    sq = squared_norm(reducer.norm_grads(), device)
     dist.all_reduce(sq)
     return float(sq.sqrt())
 

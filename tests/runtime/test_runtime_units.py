@@ -3,6 +3,7 @@ on torch's fake backend), data slicing, resharding overlaps, weight independence
 the plan; plus bad-input launches that must fail on every rank with exit code 2."""
 import numpy
 import pytest
+import torch
 
 import _rt_plans as plans
 from _rt_spawn import launch
@@ -242,3 +243,16 @@ def test_tp_node_warning():
     assert "\n" not in line
     big = topology.check_plan(plans.large_1024(), 1024)    # tp 8 / tp 4 groups on 8-device nodes
     assert tp_node_warning(big, 8) is None and tp_node_warning(big, 4).count("tp group") == 1
+
+
+def test_gradient_norm_is_fp64_accurate_on_large_buffers():
+    from megatron.hpp.grad_sync import NORM_ROW, squared_norm
+
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(1_700_000, generator=gen) * 1e-3, torch.randn(3 * NORM_ROW, generator=gen),
+             torch.randn(7, 5, generator=gen), torch.zeros(0)]
+    exact = sum(float(g.double().square().sum()) for g in grads)
+    assert float(squared_norm(grads, "cpu")) == pytest.approx(exact, rel=2e-7)   # fp32 sqrt of each row: ~6e-8
+    # one fp32 norm over the large buffer is measurably off: the rows are what makes it exact
+    one = float(torch.linalg.vector_norm(grads[0], dtype=torch.float32).double() ** 2)
+    assert abs(one / float(grads[0].double().square().sum()) - 1) > 1e-5
