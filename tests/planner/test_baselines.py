@@ -235,18 +235,23 @@ SLOWER = {
         {"V100": {"memory_gb": 4}, "910B4": {"memory_gb": 2}}, 8, (),
         "unseeded HPP 12.22 ms (mbs 2, no recompute), metis 11.96 ms (+2.2%): mbs 4 with the "
         "attention core recomputed on the 910B4 stage, as above"),
-    "3 A100, 2 layers, gbs 8": (
-        M2, [{"type": "A100", "devices_per_node": 3}], {}, 8,
-        ("uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong"),
-        "unseeded HPP 7.02 ms, typesplit 6.82 ms (+2.9%): typesplit's plan (a 2-stage pipeline at "
-        "mbs 1, Lbs 5 next to a 1-stage one, Lbs 3) lies in HPP's space; HPP keeps mbs 2 (Lbs 6 + 2)"),
 }
 """Small cases (from the seeded suite of test_search_core.py) on which the HPP search
 without seeds is slower than a baseline, with the numbers measured."""
+SMALL = {
+    # once slower: unseeded HPP 7.02 ms against typesplit's 6.82 ms (a 2-stage pipeline at
+    # mbs 1, Lbs 5, next to a 1-stage one, Lbs 3); the polish's free-Mbs re-plan reaches it
+    "3 A100, 2 layers, gbs 8": (
+        M2, [{"type": "A100", "devices_per_node": 3}], {}, 8,
+        ("uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong"), ""),
+}
+"""Small cases from the same suite on which the HPP search without seeds was slower
+than a baseline before, and is not any more."""
 
 
-@pytest.mark.parametrize("name", [*CASES, *(pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=v[-1]))
-                                            for n, v in SLOWER.items())])
+@pytest.mark.parametrize("name", [*CASES, *SMALL, *(pytest.param(n, marks=pytest.mark.xfail(strict=True,
+                                                                                            reason=v[-1]))
+                                                      for n, v in SLOWER.items())])
 def test_hpp_never_slower_than_a_baseline(name):
     """The HPP search alone (seeds off: with them it returns the baselines' own plans when
     those are faster, so this would hold by construction)."""
@@ -254,7 +259,7 @@ def test_hpp_never_slower_than_a_baseline(name):
         model, cluster, db, gbs = setup(name)
         infeasible = {s for s, n in INFEASIBLE if n == name}
     else:
-        model, nodes, types, gbs, infeasible, _ = SLOWER[name]
+        model, nodes, types, gbs, infeasible, _ = SMALL.get(name) or SLOWER[name]
         cluster = make_cluster(nodes, device_types=types, inter_node_gbps=400)
         db = profiles_for(model, cluster)
     hpp = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False)).predicted["iteration_ms"]
