@@ -160,8 +160,9 @@ SENSITIVITY = (
     Variant("910B4 speed x1.5", slow_speed=1.5),
 )
 """The sensitivity table's variations of GPT-3 13B on b2b4-64 (gbs 1024, seq 2048).  GEMM
-efficiency is not varied: the analytic profiles have one constant factor
-(eth.profiles.GEMM_EFFICIENCY), so scaling it scales both types alike (= x speed on both)."""
+efficiency is not varied: eth/gemm_efficiency.py has a fitted size-dependent curve only
+for the CPU; 910B2/910B4 keep one constant factor, and scaling it scales both types alike
+(= x speed on both)."""
 SENSITIVITY_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
 
 TABLE3_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
