@@ -135,8 +135,9 @@ def _collectives(profiler, sizes, repeats, warmup) -> dict:
     backend = select_backend(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend.name)
     try:
-        return profiler.measure_collectives(backend.device, sizes or profiler.DEFAULT_COLLECTIVE_SIZES,
-                                            repeats, warmup)
+        from megatron.hpp.profile_collectives import DEFAULT_COLLECTIVE_SIZES, measure_collectives
+
+        return measure_collectives(backend.device, sizes or DEFAULT_COLLECTIVE_SIZES, repeats, warmup)
     finally:
         dist.destroy_process_group()
 
