@@ -54,6 +54,31 @@ def fixed_micro(fixed: int, lbs: int) -> int:
     return m
 
 
+def pipeline_counts(cluster, unit, need: float, gbs: int):
+    """HexiScale's pipeline counts: (ks, fits, too_small) where ks are the k dividing every
+    type count of ``unit`` (make_blocks, one device per block) and ``gbs``; fits the
+    (k, devices per type of one pipeline) whose memory holds ``need`` bytes of model
+    states; too_small the other ks."""
+    ks = [k for k in divisors(math.gcd(*unit.count)) if gbs % k == 0]
+    fits, too_small = [], []
+    for k in ks:
+        per = tuple(c // k for c in unit.count)
+        mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
+        (fits.append((k, per)) if mem >= need else too_small.append(k))
+    return ks, fits, too_small
+
+
+def no_plan_reason(ks, unit, gbs: int, need: float, too_small, rules: str) -> str:
+    """The one-line reason neither HexiScale version found a plan."""
+    why = (f"tried stage groups over k in {ks} identical pipelines (k must divide the type counts "
+           f"{dict(zip(unit.types, unit.count))} and gbs {gbs}){rules}; none fits in memory with dp = 1 "
+           f"per stage (tp <= devices per node)")
+    if too_small:
+        why += (f"; for k in {too_small} one pipeline's devices hold less than the model's "
+                f"{need / 1e9:.1f} GB of weights, gradients and optimizer states")
+    return why
+
+
 def memory_split(cluster, stages, num_layers: int) -> list[int]:
     """Layers per stage in proportion to the stage's memory (devices x device memory)."""
     return proportional_split(num_layers, [n * cluster.types[t].memory_bytes for t, n in stages])
@@ -79,20 +104,14 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
     cost = CostModel(model, cluster, profiles, options.setup)
     ev = Evaluator(cost)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
-    counts = unit.count
     need = model.num_params() * cost.bytes_per_param
-    ks = [k for k in divisors(math.gcd(*counts)) if gbs % k == 0]
+    ks, fits, too_small = pipeline_counts(cluster, unit, need, gbs)
     best = Best()
-    tried, too_small, recomputed = 0, [], 0
-    bar = progress_bar(len(ks), options.progress, "hexiscale")
+    tried, recomputed = 0, 0
+    bar = progress_bar(len(fits), options.progress, "hexiscale")
     try:
-        for k in ks:
+        for k, per in fits:
             bar.update(1)
-            per = tuple(c // k for c in counts)
-            mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
-            if mem < need:
-                too_small.append(k)
-                continue
             lbs = gbs // k
             mbs = fixed_micro(options.fixed_mbs, lbs)
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
@@ -109,12 +128,8 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
                         break
     finally:
         bar.close()
-    why = (f"tried {tried} stage groups over k in {ks} identical pipelines (k must divide the "
-           f"type counts {dict(zip(unit.types, counts))} and gbs {gbs}) with memory-proportional "
-           f"layers and fixed mbs {options.fixed_mbs}; none fits in memory with dp = 1 per stage "
-           f"(tp <= devices per node), even with full recompute")
-    if too_small:
-        why += (f"; for k in {too_small} one pipeline's devices hold less than the model's "
-                f"{need / 1e9:.1f} GB of weights, gradients and optimizer states")
+    why = no_plan_reason(ks, unit, gbs, need, too_small,
+                         f" ({tried} stage groups) with memory-proportional layers and fixed mbs "
+                         f"{options.fixed_mbs}, even with full recompute")
     return finish("hexiscale", best, cost, clock, options, why, variant="faithful",
                   stage_groups=tried)

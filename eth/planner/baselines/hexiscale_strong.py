@@ -36,8 +36,9 @@ from dataclasses import replace
 from eth.cost import CostModel, eq5_end_times, eq6_allreduce_ms
 from eth.plan import Plan
 from eth.planner.balance import resplit
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish, make_evaluator,
+from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, make_evaluator,
                                           pipeline_plan, powers_of_two, progress_bar)
+from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
 
@@ -108,20 +109,14 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
     cost = CostModel(model, cluster, profiles, options.setup)
     ev = make_evaluator(cost, options)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
-    counts = unit.count
     need = model.num_params() * cost.bytes_per_param
-    ks = [k for k in divisors(math.gcd(*counts)) if gbs % k == 0]
+    ks, fits, too_small = pipeline_counts(cluster, unit, need, gbs)
     best = Best()
-    tried, too_small = 0, []
-    bar = progress_bar(len(ks), options.progress, "hexiscale-strong")
+    tried = 0
+    bar = progress_bar(len(fits), options.progress, "hexiscale-strong")
     try:
-        for k in ks:
+        for k, per in fits:
             bar.update(1)
-            per = tuple(c // k for c in counts)
-            mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
-            if mem < need:
-                too_small.append(k)
-                continue
             if clock.out():
                 continue
             lbs = gbs // k
@@ -145,11 +140,6 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
                 best.offer(cost, Plan(model, cluster, gbs, pipes))
     finally:
         bar.close()
-    why = (f"tried {tried} stage groups over k in {ks} identical pipelines (k must divide the "
-           f"type counts {dict(zip(unit.types, counts))} and gbs {gbs}); none fits in memory "
-           f"with dp = 1 per stage (tp <= devices per node)")
-    if too_small:
-        why += (f"; for k in {too_small} one pipeline's devices hold less than the model's "
-                f"{need / 1e9:.1f} GB of weights, gradients and optimizer states")
+    why = no_plan_reason(ks, unit, gbs, need, too_small, f" ({tried} stage groups)")
     return finish("hexiscale-strong", best, cost, clock, options, why, cost_evaluations=ev.evaluations,
                   variant="strong")
