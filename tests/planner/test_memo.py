@@ -64,8 +64,11 @@ def test_fit_stage_memo_equals_fresh():
 
 def test_search_memo_changes_no_plan():
     """SearchOptions.memo (per-stage evaluation memo, layer re-split memo, rank layout and
-    All-Reduce memo, sorted greedy) only saves time: with and without it the search
-    makes the same evaluations and returns the same plan on seeded small clusters."""
+    All-Reduce memo, sorted greedy, memos of whole allocations and free-Mbs allocations,
+    one ranks tuple per stage group) only saves time: with and without it the search
+    returns the same plan on seeded small clusters, with no more cost evaluations (the
+    free-Mbs allocation memo skips the evaluations of a repeated allocation; every other
+    memo keeps the evaluation count)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
@@ -82,4 +85,4 @@ def test_search_memo_changes_no_plan():
         on, off = (search(M4, cluster, db, SearchOptions(gbs=gbs, seeds=False, memo=m)) for m in (True, False))
         assert on.predicted == off.predicted
         assert on.to_dict()["pipelines"] == off.to_dict()["pipelines"]
-        assert on.search["cost_evaluations"] == off.search["cost_evaluations"]
+        assert on.search["cost_evaluations"] <= off.search["cost_evaluations"]
