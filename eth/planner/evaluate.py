@@ -111,6 +111,7 @@ class Evaluator:
         self._saved: dict = {}
         self._links: dict = {}
         self._tps: dict = {}
+        self._ranks: dict = {}
         self.evaluations = 0
 
     def valid_tps(self, device_type: str, ndev: int, ranks=None) -> tuple[int, ...]:

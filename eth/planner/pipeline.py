@@ -92,6 +92,21 @@ def _normalise(value: float, mean: float) -> float:
     return max(value / mean, 0.25)
 
 
+def stage_ranks(ev: Evaluator, blocks: Blocks, g: StageGroup) -> tuple[tuple[int, ...], ...]:
+    """Representative ranks of stage group ``g`` (:func:`assign_ranks` of ``g`` alone).
+    With the evaluator's ``memo`` one tuple per stage group is kept and returned again:
+    the evaluator memoises stage costs per ranks object, so a stage group warm-started
+    and balanced again (phase 1 for another batch: the polish re-plans each pipeline for
+    its Lbs) finds its stage costs instead of re-fitting them."""
+    if not ev.memo:
+        return tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+    key = (blocks, g.stages)
+    hit = ev._ranks.get(key)
+    if hit is None:
+        hit = ev._ranks[key] = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+    return hit
+
+
 def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
                       topk: int, max_stages: int, stop=None, phases=None) -> PipelineResult | None:
     """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built.
@@ -110,7 +125,7 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
         for g, budget in zip(groups, budgets):
             if starts and halted():
                 break
-            ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+            ranks = stage_ranks(ev, blocks, g)
             init = initial_state(ev, g.stages, batch, ranks)
             if init is not None:
                 starts.append((init[1].key, len(starts), g, ranks, init, budget))
