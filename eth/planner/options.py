@@ -78,8 +78,10 @@ class SearchOptions:
     """Random device orderings tried by DP in addition to the canonical ones."""
     memo: bool = True
     """Planner-level memoisation (speed only, the same plans): per-stage evaluation
-    results per ranks layout, layer re-splits, rank layouts and allocations of device
-    groups (:class:`eth.planner.evaluate.Evaluator`, :class:`eth.planner.search.HPPSearch`).
+    results per ranks layout, layer re-splits, rank layouts (one ranks tuple per stage
+    group), whole group allocations and free-Mbs allocations of device groups
+    (:class:`eth.planner.evaluate.Evaluator`, :class:`eth.planner.search.HPPSearch`,
+    :func:`eth.planner.polish.variant_allocation`).
     Off = the search before these memos (bench/search_scaling.py compares both)."""
     allow_overshoot: bool = False
     """Accept sum(Lbs) > Gbs (paper constraint Eq. 3) when no exact split exists; by
