@@ -161,3 +161,25 @@ def test_adaptive_budgets_equal_the_per_group_peer_definition():
         want.append(max(1, int(round(100 * f))))
     assert adaptive_budgets(c, groups, 100) == want
     assert len(set(want)) > 2
+
+
+def test_warm_start_mbs_doubles_while_it_helps():
+    """_best_mbs: lcm(dp) x 1, 2, 4 in turn, stopping at the first doubling that is no
+    better; the answer is the best evaluated one (checked against evaluating all three)."""
+    from eth.planner.balance import _best_mbs, resplit
+    c, ev = _setup(mem_a=80, mem_r=24)
+    ranks = tuple(tuple(r) for r in assign_ranks(make_blocks(c, 8), [[("A100", 2), ("RTX3090", 2)]])[0])
+    seen = 0
+    for tps in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        chosen = [StageState("A100", 2, tps[0], 1), StageState("RTX3090", 2, tps[1], 1)]
+        for batch in (8, 16, 64):
+            base = max(2 // tps[0], 2 // tps[1])
+            keys = [ev.evaluate(resplit(ev, PipeState(tuple(chosen), base * m)), batch, ranks).key
+                    for m in (1, 2, 4) if batch % (base * m) == 0]
+            before = ev.evaluations
+            state, e = _best_mbs(ev, chosen, batch, ranks)
+            spent = ev.evaluations - before
+            stop = next((k for k in range(1, len(keys)) if keys[k] >= keys[k - 1]), len(keys) - 1)
+            assert e.key == min(keys[:stop + 1]) and spent == stop + 1, (tps, batch, keys, spent)
+            seen += stop < len(keys) - 1
+    assert seen, "no case where the doubling stopped early"
