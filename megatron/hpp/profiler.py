@@ -298,9 +298,9 @@ def saved_activation_bytes(fn, args, params, held=()) -> tuple[float, set, torch
     return float(sum(storages.values())), saved_args, out
 
 
-def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: int,
-               held: set | None = None) -> dict:
-    """{field: value} for OP_FIELDS plus "workspace_bytes" (CUDA) of one op.
+def measure_sizes(op: _Op, env: dict, device: torch.device, held: set | None = None) -> dict:
+    """{field: value} for the byte fields of OP_FIELDS plus "workspace_bytes" (CUDA) of one
+    op, from one forward + backward (its times come from :func:`time_in_sequence`).
 
     ``held``: names of the micro-batch's tensors whose storage an earlier op already
     saved (not counted again; updated with the inputs this op saves)."""
@@ -316,31 +316,13 @@ def measure_op(op: _Op, env: dict, device: torch.device, repeats: int, warmup: i
     act, saved, out = saved_activation_bytes(
         op.fn, args, op.params, [i for i, n in enumerate(op.inputs) if n in held])
     held.update(op.inputs[i] for i in saved)
-    grad = torch.randn_like(out) if out.dim() else torch.ones_like(out)
-    torch.autograd.backward(out, grad)
+    torch.autograd.backward(out, torch.randn_like(out) if out.dim() else torch.ones_like(out))
     weight = float(sum(_nbytes(p) for p in op.params if p.grad is not None))
     workspace = float(torch.cuda.max_memory_reserved(device) - before) if cuda else 0.0
     in_bytes, out_bytes = float(sum(_nbytes(a) for a in args)), float(_nbytes(out))
-    del out, args
-    clock, fwd, bwd = _Clock(device), [], []
-    for i in range(warmup + repeats):
-        for p in op.params:
-            p.grad = None
-        args = _fresh(env, op.inputs)
-        clock.start()
-        out = op.fn(*args)
-        f = clock.stop()
-        clock.start()
-        torch.autograd.backward(out, grad)
-        b = clock.stop()
-        if i >= warmup:
-            fwd.append(f)
-            bwd.append(b)
-        del out, args
     for p in op.params:
         p.grad = None
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "weight_bytes": weight,
-            "act_bytes": act, "input_bytes": in_bytes, "output_bytes": out_bytes,
+    return {"weight_bytes": weight, "act_bytes": act, "input_bytes": in_bytes, "output_bytes": out_bytes,
             "workspace_bytes": workspace}
 
 
@@ -427,14 +409,14 @@ def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, prog
             for mbs in cfg.mbs:
                 env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
                 rows, workspace, held = {}, 0.0, set()
+                times = time_in_sequence(ops, env, device, cfg.repeats, cfg.warmup)
                 for op in ops:
-                    m = measure_op(op, env, device, 1, 0, held)   # sizes; times: time_in_sequence
+                    m = measure_sizes(op, env, device, held)
+                    m["fwd_ms"], m["bwd_ms"] = times[op.name]
                     rows[op.name] = [m[f] for f in OP_FIELDS]
                     workspace = max(workspace, m["workspace_bytes"])
                     if progress is not None:
                         progress(mbs, tp, op.name)
-                for name, (fwd, bwd) in time_in_sequence(ops, env, device, cfg.repeats, cfg.warmup).items():
-                    rows[name][0], rows[name][1] = fwd, bwd
                 entry = {"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": rows}
                 if device.type == "cuda":
                     context = _context_bytes(device)
