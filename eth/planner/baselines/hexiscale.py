@@ -35,15 +35,13 @@ from __future__ import annotations
 import math
 
 from eth.cost import CostModel
-from eth.model import LAYER_OPS, layer_ops
+from eth.model import layer_ops
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
                                           progress_bar, proportional_split)
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator
 
-RECOMPUTE_FLAG = (("off", ()), ("on", LAYER_OPS))
-"""HexiScale's global recompute flag: nothing, or every op of every layer."""
 
 
 def fixed_micro(fixed: int, lbs: int) -> int:
@@ -66,6 +64,16 @@ def pipeline_counts(cluster, unit, need: float, gbs: int):
         mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
         (fits.append((k, per)) if mem >= need else too_small.append(k))
     return ks, fits, too_small
+
+
+def tp_stage_groups(unit, per, model, ev, options, clock):
+    """The stage device groups of one pipeline (``per`` devices of each type of ``unit``)
+    whose every stage is a valid tp degree (HexiScale's dp = 1), until the clock runs out."""
+    for g in stage_groups(unit.types, per, model.num_layers, options.max_stages):
+        if clock.out():
+            return
+        if all(n in ev.valid_tps(t, n) for t, n in g.stages):
+            yield g
 
 
 def no_plan_reason(ks, unit, gbs: int, need: float, too_small, rules: str) -> str:
@@ -107,7 +115,7 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
     need = model.num_params() * cost.bytes_per_param
     ks, fits, too_small = pipeline_counts(cluster, unit, need, gbs)
     best = Best()
-    tried, recomputed = 0, 0
+    tried = 0
     bar = progress_bar(len(fits), options.progress, "hexiscale")
     try:
         for k, per in fits:
@@ -115,16 +123,10 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
             lbs = gbs // k
             mbs = fixed_micro(options.fixed_mbs, lbs)
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
-            for g in stage_groups(unit.types, per, model.num_layers, options.max_stages):
-                if clock.out():
-                    break
-                if not all(n in ev.valid_tps(t, n) for t, n in g.stages):
-                    continue
+            for g in tp_stage_groups(unit, per, model, ev, options, clock):
                 tried += 1
-                for flag, ops in ((f, layer_ops(model) if ops else ()) for f, ops in RECOMPUTE_FLAG):
-                    plan = hexiscale_plan(model, cluster, blocks, g.stages, k, gbs, mbs, ops)
-                    if best.offer(cost, plan) < math.inf:
-                        recomputed += flag == "on"
+                for ops in ((), layer_ops(model)):   # the global recompute flag: off, then on
+                    if best.offer(cost, hexiscale_plan(model, cluster, blocks, g.stages, k, gbs, mbs, ops)) < math.inf:
                         break
     finally:
         bar.close()

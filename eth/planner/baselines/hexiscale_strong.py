@@ -38,8 +38,8 @@ from eth.plan import Plan
 from eth.planner.balance import resplit
 from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, make_evaluator,
                                           pipeline_plan, powers_of_two, progress_bar)
-from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts
-from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
+from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts, tp_stage_groups
+from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
 
 
@@ -122,11 +122,7 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
             lbs = gbs // k
             mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
-            for g in stage_groups(unit.types, per, model.num_layers, options.max_stages):
-                if clock.out():
-                    break
-                if not all(n in ev.valid_tps(t, n) for t, n in g.stages):
-                    continue
+            for g in tp_stage_groups(unit, per, model, ev, options, clock):
                 tried += 1
                 ranks = assign_ranks(blocks, [list(g.stages)] * k)
                 rep = tuple(tuple(r) for r in ranks[0])
