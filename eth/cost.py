@@ -9,6 +9,8 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
                                                            none when the profile's op times
                                                            include them (tp_comm_included)
          + p2p send of the output activation to the next stage (not last stage)
+         + runtime overheads: layers x layer + stage (measured profiles' overhead_ms,
+           forward and backward alike; CPU-emulated types add the "wake" cost)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
          + TP all-reduces (backward, and re-done forward ones of recomputed ops)
@@ -244,6 +246,11 @@ class CostModel:
             bwd += ops[op].bwd_ms
             weights += ops[op].weight_bytes
             act += ops[op].act_bytes
+        # the runtime's cost beyond the ops, per layer and per stage call (measured profiles'
+        # overhead_ms; zeros for analytic and imported ones)
+        layer_f, layer_b, stage_f, stage_b = self.profiles.overheads(device_type, self.model, micro, tp)[:4]
+        fwd += nl * layer_f + stage_f
+        bwd += nl * layer_b + stage_b
 
         comm = 0.0
         if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them

@@ -135,6 +135,8 @@ class DeviceProfile:
         _check_collectives(data.get("collectives"), where)
         file_tp_comm = _tp_comm_flag(data, where, False)
         self._tp_comm: dict[tuple, bool] = {}
+        # (shape, tp) -> [(mbs, (layer fwd, layer bwd, stage fwd, stage bwd, wake fwd, wake bwd))]
+        self._overheads: dict[tuple, list] = {}
         # shape -> {tp: sorted [(mbs, {op: OpCost}, reserved)]}
         self._table: dict[tuple, dict[int, list]] = {}
         self._names: dict[tuple, str] = {}
@@ -172,6 +174,7 @@ class DeviceProfile:
                         raise ProfileError(f"{ew}.ops[{op!r}] has a negative or non-numeric value: {values}")
                     ops[op] = OpCost(*map(float, values))
                 by_tp.setdefault(tp, []).append((mbs, ops, float(reserved)))
+                self._overheads.setdefault((shape, tp), []).append((mbs, _overhead_row(e, ew)))
             for tp, rows in by_tp.items():
                 rows.sort(key=lambda r: r[0])
                 mbs_list = [r[0] for r in rows]
@@ -208,9 +211,48 @@ class DeviceProfile:
         self._cache[key] = result
         return result
 
+    def overheads(self, model: ModelSpec, mbs: float, tp: int) -> tuple:
+        """(layer fwd, layer bwd, stage fwd, stage bwd, wake fwd, wake bwd) ms of the entry
+        field ``overhead_ms`` at ``mbs`` (linear between profiled sizes, the nearest one
+        outside them); zeros when the profile has none (analytic and imported profiles)."""
+        rows = sorted(self._overheads.get((shape_key(model), tp), []), key=lambda r: r[0])
+        if not rows:
+            return (0.0,) * len(OVERHEAD_KEYS) * 2
+        sizes = [r[0] for r in rows]
+        i = bisect.bisect_left(sizes, mbs)
+        if i < len(rows) and sizes[i] == mbs or i == len(rows) or i == 0:
+            return rows[min(i, len(rows) - 1)][1]
+        (m0, a), (m1, b) = rows[i - 1], rows[i]
+        w = (mbs - m0) / (m1 - m0)
+        return tuple(x + w * (y - x) for x, y in zip(a, b))
+
     def collective_table(self, kind: str, n: int):
         table = (self.data.get("collectives") or {}).get(kind, {}).get(str(n))
         return sorted(table) if table else None
+
+
+OVERHEAD_KEYS = ("layer", "stage", "wake")
+"""Keys of a profile entry's optional ``overhead_ms`` object, each [fwd_ms, bwd_ms] per
+micro-batch (``megatron.hpp.profiler.stage_overheads``; docs/FORMATS.md)."""
+
+
+def _overhead_row(entry: dict, where: str) -> tuple:
+    """The entry's ``overhead_ms`` as a flat tuple in :data:`OVERHEAD_KEYS` order (missing
+    keys or field: 0).  Values may be negative: a layer through the runtime can run faster
+    than its ops timed one by one."""
+    value = entry.get("overhead_ms")
+    if value is None:
+        return (0.0,) * len(OVERHEAD_KEYS) * 2
+    if not isinstance(value, dict) or set(value) - set(OVERHEAD_KEYS):
+        raise ProfileError(f"{where}.overhead_ms must be an object with keys {list(OVERHEAD_KEYS)}, "
+                           f"got {value!r}")
+    row = []
+    for key in OVERHEAD_KEYS:
+        pair = value.get(key, [0.0, 0.0])
+        if not (isinstance(pair, list) and len(pair) == 2 and all(is_number(v) for v in pair)):
+            raise ProfileError(f"{where}.overhead_ms.{key} must be [fwd_ms, bwd_ms], got {pair!r}")
+        row += [float(v) for v in pair]
+    return tuple(row)
 
 
 def _tp_comm_flag(obj: dict, where: str, default: bool) -> bool:
@@ -289,6 +331,9 @@ class ProfileDB:
     def layer_costs(self, device: str, model: ModelSpec, mbs: float, tp: int):
         return self.get(device).layer_costs(model, mbs, tp)
 
+    def overheads(self, device: str, model: ModelSpec, mbs: float, tp: int) -> tuple:
+        return self.get(device).overheads(model, mbs, tp)
+
     @classmethod
     def load(cls, path) -> "ProfileDB":
         """Load one JSON file or every ``*.json`` in a folder."""
@@ -332,14 +377,24 @@ def emulated_profile(base: dict, model: ModelSpec, name: str, speed: float) -> d
     """The profile of CPU-emulated device type ``name``: ``base`` (the ``cpu`` profile, one
     process on one core) restricted to ``model``'s shape, every op time divided by
     ``speed`` (what ``megatron.hpp.schedule.ComputeClock`` does to that type's compute);
-    sizes, reserved bytes and collective tables (same machine) unchanged."""
+    sizes, reserved bytes and collective tables (same machine) unchanged.  Overheads
+    (``overhead_ms``) are divided by ``speed`` too, and the "wake" cost (an emulated rank
+    idles after every compute call, and the next call then costs more CPU time) is moved
+    into the stage overhead: every call of an emulated type pays it."""
     key = shape_key(model)
     models = []
     for m in base["models"]:
         if entry_shape(m["shape"]) != key:
             continue
-        entries = [dict(e, ops={op: [v[0] / speed, v[1] / speed, *v[2:]] for op, v in e["ops"].items()})
-                   for e in m["entries"]]
+        entries = []
+        for e in m["entries"]:
+            entry = dict(e, ops={op: [v[0] / speed, v[1] / speed, *v[2:]] for op, v in e["ops"].items()})
+            if "overhead_ms" in e:
+                oh = _overhead_row(e, "overhead_ms")
+                entry["overhead_ms"] = {"layer": [oh[0] / speed, oh[1] / speed],
+                                        "stage": [(oh[2] + oh[4]) / speed, (oh[3] + oh[5]) / speed],
+                                        "wake": [0.0, 0.0]}
+            entries.append(entry)
         models.append(dict(m, entries=entries))
     data = dict(base, device=name, models=models)
     data["provenance"] = dict(base.get("provenance") or {},
