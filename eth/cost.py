@@ -9,7 +9,8 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
                                                            none when the profile's op times
                                                            include them (tp_comm_included)
          + p2p send of the output activation to the next stage (not last stage)
-         + runtime overheads: layers x layer + stage (measured profiles' overhead_ms,
+         + runtime overheads: layers x layer + stage, + per checkpointed run of k
+           recomputed ops checkpoint + k x checkpoint_op (measured profiles' overhead_ms,
            forward and backward alike; CPU-emulated types add the "wake" cost)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
@@ -248,9 +249,13 @@ class CostModel:
             act += ops[op].act_bytes
         # the runtime's cost beyond the ops, per layer and per stage call (measured profiles'
         # overhead_ms; zeros for analytic and imported ones)
-        layer_f, layer_b, stage_f, stage_b = self.profiles.overheads(device_type, self.model, micro, tp)[:4]
-        fwd += nl * layer_f + stage_f
-        bwd += nl * layer_b + stage_b
+        oh = self.profiles.overheads(device_type, self.model, micro, tp)
+        fwd += nl * oh[0] + oh[2]
+        bwd += nl * oh[1] + oh[3]
+        if recompute and any(oh[6:10]):   # per checkpoint: a + k x b for a run of k ops
+            runs, run_ops = self._recompute_run_counts(ops, recompute)
+            fwd += runs * oh[6] + run_ops * oh[8]
+            bwd += runs * oh[7] + run_ops * oh[9]
 
         comm = 0.0
         if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them
@@ -305,6 +310,19 @@ class CostModel:
         freed the activations."""
         gather = params * self.setup.weight_bytes if self.setup.zero_stage > 0 else 0.0
         return max(activations, gather)
+
+    @staticmethod
+    def _recompute_run_counts(ops, recompute: dict[str, int]) -> tuple[int, int]:
+        """(checkpointed runs, ops in them) summed over the stage's layers (the runtime
+        runs each run of recomputed ops under one checkpoint)."""
+        order = tuple(op for op in ops if op in _LAYER_OP_SET)
+        runs = run_ops = prev = 0
+        for n in sorted(set(recompute.values())):
+            here = recompute_runs({op for op, k in recompute.items() if k >= n}, order)
+            runs += (n - prev) * len(here)
+            run_ops += (n - prev) * sum(len(r) for r in here)
+            prev = n
+        return runs, run_ops
 
     @staticmethod
     def _recompute_savings(ops, recompute: dict[str, int]) -> float:

@@ -212,8 +212,8 @@ class DeviceProfile:
         return result
 
     def overheads(self, model: ModelSpec, mbs: float, tp: int) -> tuple:
-        """(layer fwd, layer bwd, stage fwd, stage bwd, wake fwd, wake bwd) ms of the entry
-        field ``overhead_ms`` at ``mbs`` (linear between profiled sizes, the nearest one
+        """(fwd, bwd) ms pairs of :data:`OVERHEAD_KEYS`, flat (layer fwd, layer bwd, stage
+        fwd, ...), of the entry field ``overhead_ms`` at ``mbs`` (linear between profiled sizes, the nearest one
         outside them); zeros when the profile has none (analytic and imported profiles)."""
         rows = sorted(self._overheads.get((shape_key(model), tp), []), key=lambda r: r[0])
         if not rows:
@@ -231,7 +231,7 @@ class DeviceProfile:
         return sorted(table) if table else None
 
 
-OVERHEAD_KEYS = ("layer", "stage", "wake")
+OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op")
 """Keys of a profile entry's optional ``overhead_ms`` object, each [fwd_ms, bwd_ms] per
 micro-batch (``megatron.hpp.profiler.stage_overheads``; docs/FORMATS.md)."""
 
@@ -393,7 +393,9 @@ def emulated_profile(base: dict, model: ModelSpec, name: str, speed: float) -> d
                 oh = _overhead_row(e, "overhead_ms")
                 entry["overhead_ms"] = {"layer": [oh[0] / speed, oh[1] / speed],
                                         "stage": [(oh[2] + oh[4]) / speed, (oh[3] + oh[5]) / speed],
-                                        "wake": [0.0, 0.0]}
+                                        "wake": [0.0, 0.0],
+                                        "checkpoint": [oh[6] / speed, oh[7] / speed],
+                                        "checkpoint_op": [oh[8] / speed, oh[9] / speed]}
             entries.append(entry)
         models.append(dict(m, entries=entries))
     data = dict(base, device=name, models=models)

@@ -449,20 +449,26 @@ class _GradSink:
 
 
 def build_stages(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
-    """{layers: GPTStage}: the runtime's stage (embedding, ``layers`` layers, head + loss)
-    at one tp rank's shard shapes for 1 and 2 layers, with the runtime's gradient
-    accumulation hooks."""
+    """{name: GPTStage}: the runtime's stage (embedding, layers, head + loss) at one tp
+    rank's shard shapes, with the runtime's gradient accumulation hooks: "s1" and "s2"
+    (1 and 2 layers), "s1-rec" (1 layer recomputed whole: one checkpoint of all its
+    ops) and "s1-rec1" (1 layer, its last op recomputed: a checkpoint of one op)."""
     from megatron.hpp.compat import Backend, setup_rng
     from megatron.hpp.model import GPTStage
 
+    from eth.model import layer_ops
+
     group = _fake_tp_group(tp)
+    ops = layer_ops(spec)
+    shapes = {"s1": (1, {}), "s2": (2, {}), "s1-rec": (1, {op: 1 for op in ops}),
+              "s1-rec1": (1, {ops[-1]: 1})}
     out = {}
-    for n in (1, 2):
+    for name, (n, recompute) in shapes.items():
         tracker = setup_rng(Backend("nccl" if device.type == "cuda" else "gloo", device), seed, seed, 0)
-        stage = GPTStage(spec, (0, n), True, True, group, tracker, seed=seed).to(device=device, dtype=dtype)
-        stage.train()
+        stage = GPTStage(spec, (0, n), True, True, group, tracker, recompute, seed=seed)
+        stage.to(device=device, dtype=dtype).train()
         stage._sink = _GradSink(stage)
-        out[n] = stage
+        out[name] = stage
     return out
 
 
@@ -477,13 +483,19 @@ def stage_overheads(times: dict, spec: ModelSpec, wake: bool) -> dict:
       embedding, final norm and head + loss ops: the stage call itself, the
       accumulation hooks of its embedding and head parameters, the loss scaling;
     * wake [fwd, bwd] (CPU only, else 0): the 1-layer stage's call after the core idled
-      ``WAKE_PAUSE_S`` minus the same call without the pause."""
+      ``WAKE_PAUSE_S`` minus the same call without the pause;
+    * checkpoint, checkpoint_op [fwd, bwd]: a recomputed run of k ops costs, beyond its ops'
+      forward again in the backward, checkpoint + k x checkpoint_op (the checkpoint
+      machinery: RNG states, saved-tensor hooks, the re-run's bookkeeping), from the
+      1-layer stage with the whole layer (k = all) and with one op (k = 1) recomputed."""
     from eth.model import layer_ops, post_ops, pre_ops
 
     st, sums = times["stages"], times["op_sums"]
     layer, extra = layer_ops(spec), pre_ops(spec) + post_ops(spec)
     rounds = len(sums["chained_bwd"])
-    res = {"layer": [[], []], "stage": [[], []], "wake": [[], []]}
+    res = {"layer": [[], []], "stage": [[], []], "wake": [[], []], "checkpoint": [[], []],
+           "checkpoint_op": [[], []]}
+    rec = "s1-rec" in st
     for r in range(rounds):
         bwd_total = sum(v[r] for v in sums["bwd"].values())
         share = sums["chained_bwd"][r] / max(bwd_total, 1e-12)
@@ -495,7 +507,13 @@ def stage_overheads(times: dict, spec: ModelSpec, wake: bool) -> dict:
             res["layer"][k].append(lay - ops_ms[0])
             res["stage"][k].append(st["s1"][r][k] - lay - ops_ms[1])
             res["wake"][k].append(st["s1-wake"][r][k] - st["s1"][r][k] if wake else 0.0)
-    return {key: [round(statistics.median(v), 6) for v in pair] for key, pair in res.items()}
+            if rec:   # the backward (k = 1) re-runs the recomputed ops' forwards
+                full = st["s1-rec"][r][k] - st["s1"][r][k] - k * ops_f[0]
+                one = st["s1-rec1"][r][k] - st["s1"][r][k] - k * sums["fwd"][layer[-1]][r]
+                per_op = (full - one) / max(len(layer) - 1, 1)
+                res["checkpoint_op"][k].append(per_op)
+                res["checkpoint"][k].append(one - per_op)
+    return {key: [round(statistics.median(v), 6) if v else 0.0 for v in pair] for key, pair in res.items()}
 
 
 def _context_bytes(device: torch.device) -> float:
@@ -528,9 +546,9 @@ def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, prog
                 if runtime is not None:
                     def call(n, tokens=env["tokens"], labels=env["labels"]):
                         return lambda: runtime[n](tokens, labels, 1.0)
-                    stages = {"s1": (call(1), 0.0), "s2": (call(2), 0.0)}
+                    stages = {n: (call(n), 0.0) for n in runtime}
                     if device.type == "cpu":
-                        stages["s1-wake"] = (call(1), WAKE_PAUSE_S)
+                        stages["s1-wake"] = (call("s1"), WAKE_PAUSE_S)
                 times = time_in_sequence(ops, env, device, cfg.repeats, cfg.warmup, stages)
                 for op in ops:
                     m = measure_sizes(op, env, device, held)

@@ -152,19 +152,22 @@ def test_emulated_cpu_types_scale_the_cpu_profile():
 
 
 def _with_overheads(mbs=(1, 2)):
-    """flat_profile with overhead_ms: layer [0.1, 0.2] x mbs, stage [1, 2], wake [0.5, 0.25]."""
+    """flat_profile with overhead_ms: layer [0.1, 0.2] x mbs, stage [1, 2], wake [0.5, 0.25],
+    checkpoint [0.03, 0.07], checkpoint_op [0.001, 0.002]."""
     data = flat_profile(mbs=mbs)
     for e in data["models"][0]["entries"]:
         m = e["mbs"]
-        e["overhead_ms"] = {"layer": [0.1 * m, 0.2 * m], "stage": [1.0, 2.0], "wake": [0.5, 0.25]}
+        e["overhead_ms"] = {"layer": [0.1 * m, 0.2 * m], "stage": [1.0, 2.0], "wake": [0.5, 0.25],
+                            "checkpoint": [0.03, 0.07], "checkpoint_op": [0.001, 0.002]}
     return data
 
 
 def test_overheads_field_defaults_to_zero_and_interpolates():
-    assert DeviceProfile(flat_profile()).overheads(TINY, 2, 1) == (0.0,) * 6   # old profiles: none
+    assert DeviceProfile(flat_profile()).overheads(TINY, 2, 1) == (0.0,) * 10   # old profiles: none
     prof = DeviceProfile(_with_overheads(mbs=(1, 2, 4)))
-    assert prof.overheads(TINY, 2, 1) == (0.2, 0.4, 1.0, 2.0, 0.5, 0.25)
-    assert prof.overheads(TINY, 3, 2) == pytest.approx((0.3, 0.6, 1.0, 2.0, 0.5, 0.25))  # between 2 and 4
+    rest = (0.5, 0.25, 0.03, 0.07, 0.001, 0.002)
+    assert prof.overheads(TINY, 2, 1) == (0.2, 0.4, 1.0, 2.0) + rest
+    assert prof.overheads(TINY, 3, 2) == pytest.approx((0.3, 0.6, 1.0, 2.0) + rest)  # between 2 and 4
     assert prof.overheads(TINY, 8, 1) == prof.overheads(TINY, 4, 1)      # outside: the nearest size
     assert prof.overheads(TINY, 0.5, 1) == prof.overheads(TINY, 1, 1)
 
@@ -207,3 +210,10 @@ def test_cost_model_adds_overheads_per_layer_and_stage_and_emulation_wakes():
         b = timed.stage_cost_at("cpu-e", 1, 1, 3, first, last, 2, {}, 1, (10.0, 10.0, 10.0))
         assert b.fwd_ms - a.fwd_ms == pytest.approx((3 * 0.2 + 1.0 + 0.5) / 0.5)
         assert b.bwd_ms - a.bwd_ms == pytest.approx((3 * 0.4 + 2.0 + 0.25) / 0.5)
+    # recompute: softmax + attn-dropout + context (one run of 3) in 2 layers, gelu in 3 (runs of 1):
+    # 5 checkpoints holding 9 ops
+    rec = {"softmax": 2, "attn-dropout": 2, "context": 2, "gelu": 3}
+    a = plain.stage_cost_at("cpu", 1, 1, 3, False, False, 2, rec, 1, (10.0, 10.0, 10.0))
+    b = timed.stage_cost_at("cpu", 1, 1, 3, False, False, 2, rec, 1, (10.0, 10.0, 10.0))
+    assert b.fwd_ms - a.fwd_ms == pytest.approx(3 * 0.2 + 1.0 + 5 * 0.03 + 9 * 0.001)
+    assert b.bwd_ms - a.bwd_ms == pytest.approx(3 * 0.4 + 2.0 + 5 * 0.07 + 9 * 0.002)

@@ -84,7 +84,7 @@ def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
 
     for e in load_profile(measured).data["models"][0]["entries"]:
         oh = e["overhead_ms"]
-        assert set(oh) == {"layer", "stage", "wake"}
+        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op"}
         assert all(math.isfinite(v) for pair in oh.values() for v in pair)
     from eth.model import all_ops, layer_ops
 
@@ -98,7 +98,14 @@ def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
     s1 = [(len(names) + 3.0 + r, len(names) + 4.0) for r in range(rounds)]
     s2 = [(f + n_layer + 0.5, b + n_layer + 0.25) for f, b in s1]
     wake = [(f + 1.5, b + 0.5) for f, b in s1]
-    got = stage_overheads({"stages": {"s1": s1, "s2": s2, "s1-wake": wake}, "op_sums": sums}, TINY, True)
+    # recomputing the whole layer: checkpoint 0.2 / 0.3 + 13 x 0.01 / 0.02, and the backward
+    # re-runs the layer's forwards (1 ms each); one op: 0.2 / 0.3 + 0.01 / 0.02 + 1 ms
+    rec = [(f + 0.2 + n_layer * 0.01, b + 0.3 + n_layer * (0.02 + 1.0)) for f, b in s1]
+    rec1 = [(f + 0.21, b + 0.32 + 1.0) for f, b in s1]
+    got = stage_overheads({"stages": {"s1": s1, "s2": s2, "s1-wake": wake, "s1-rec": rec, "s1-rec1": rec1},
+                           "op_sums": sums}, TINY, True)
+    assert got["checkpoint"] == [pytest.approx(0.2), pytest.approx(0.3)]
+    assert got["checkpoint_op"] == [pytest.approx(0.01), pytest.approx(0.02)]
     assert got["layer"] == [0.5, 0.25]
     # stage: s1 - (layer ops + 0.5) - extra ops; fwd median over r of 3 + r - 0.5
     assert got["stage"] == [pytest.approx(3.5), pytest.approx(len(names) + 4.0 - (n_layer + 0.25) - n_extra)]
