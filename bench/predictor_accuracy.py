@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 GBS = 16
 SPEED_A, SPEED_B = 0.25, 0.1   # emulated "fast" and "slow" CPU device types (2.5 : 1)
 RESULTS = ROOT / "bench" / "results"
-ADJ_REPEATS = 10   # rounds of the quick re-profile right before each run
+ADJ_REPEATS = 20   # rounds of the quick re-profile right before each run
 
 
 def _cluster(groups, name):

@@ -57,7 +57,8 @@ ones, which sub-block 0 carries) in the setup's bytes per element (fp32 or bf16
 gradients; ZeRO's reduce-scatter + all-gather), reduced over N = sum over pipelines
 of the dp degree of the stage that holds the block (one participant per replica),
 over the slowest link among its holders.  Iteration time of a plan
-(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te.
+(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te + the stage's
+optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only).
 """
 from __future__ import annotations
 
@@ -303,6 +304,16 @@ class CostModel:
         comm += send_f + send_b
         return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b
 
+    def optimizer_ms(self, mbs: int, stage) -> float:
+        """The step after the backward on one rank of ``stage`` (measured profiles'
+        overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it;
+        0 without the field), added to the stage's Eq. 5 end time."""
+        oh = self.profiles.overheads(stage.device_type, self.model, mbs // stage.dp, stage.tp)
+        if not (oh[10] or oh[11]):
+            return 0.0
+        ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
+        return ms / stage.dp if self.setup.zero_stage > 0 else ms
+
     def _peak_extra(self, params: float, activations: float) -> float:
         """Bytes above the model states at the device's peak: the activation peak, or the
         optimizer step's (ZeRO 1/2: the updated weights all-gathered into a full buffer
@@ -396,6 +407,7 @@ class CostModel:
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
             ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
+            ends = [e + self.optimizer_ms(p.mbs, s) for e, s in zip(ends, p.stages)]
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):

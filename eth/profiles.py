@@ -231,9 +231,10 @@ class DeviceProfile:
         return sorted(table) if table else None
 
 
-OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op")
+OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer")
 """Keys of a profile entry's optional ``overhead_ms`` object, each [fwd_ms, bwd_ms] per
-micro-batch (``megatron.hpp.profiler.stage_overheads``; docs/FORMATS.md)."""
+micro-batch (``megatron.hpp.profiler.stage_overheads``), except "optimizer": [ms per
+layer, ms per stage] of the step after the backward (docs/FORMATS.md)."""
 
 
 def _overhead_row(entry: dict, where: str) -> tuple:
@@ -395,7 +396,9 @@ def emulated_profile(base: dict, model: ModelSpec, name: str, speed: float) -> d
                                         "stage": [(oh[2] + oh[4]) / speed, (oh[3] + oh[5]) / speed],
                                         "wake": [0.0, 0.0],
                                         "checkpoint": [oh[6] / speed, oh[7] / speed],
-                                        "checkpoint_op": [oh[8] / speed, oh[9] / speed]}
+                                        "checkpoint_op": [oh[8] / speed, oh[9] / speed],
+                                        # the runtime does not stretch the optimizer step
+                                        "optimizer": [oh[10], oh[11]]}
             entries.append(entry)
         models.append(dict(m, entries=entries))
     data = dict(base, device=name, models=models)

@@ -472,6 +472,51 @@ def build_stages(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
     return out
 
 
+def time_optimizer(stage, device: torch.device, repeats: int, warmup: int) -> float:
+    """Median ms of the runtime's work after the backward for ``stage``'s parameters
+    (``megatron.hpp.optimizer.ShardedAdamW`` with ZeRO 0 on one rank, and the
+    training step around it): torch's AdamW over fp32 main weights as flat views, one per
+    run of parameters with the same weight-decay rule, gradients from the flat
+    accumulation buffer; the global gradient norm (``grad_sync.squared_norm``); the
+    write-back of the weights; the buffer zeroed for the next step."""
+    from megatron.hpp.grad_sync import squared_norm
+
+    params = list(stage.parameters())
+    buf = stage._sink.buf
+    main = torch.cat([p.detach().reshape(-1).float() for p in params])
+    runs, offset = [], 0   # [start, end, decay]
+    for p in params:
+        decay = p.dim() > 1
+        if runs and runs[-1][2] == decay:
+            runs[-1][1] = offset + p.numel()
+        else:
+            runs.append([offset, offset + p.numel(), decay])
+        offset += p.numel()
+    views = [(main[a:b], buf[a:b], d) for a, b, d in runs]
+    groups = [{"params": [v for v, _, d in views if d], "weight_decay": 0.01},
+              {"params": [v for v, _, d in views if not d], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    clock, times = _Clock(device), []
+    for i in range(warmup + repeats):
+        clock.start()
+        with torch.no_grad():
+            squared_norm([buf], device)
+            for view, grad, _ in views:
+                view.grad = grad
+            opt.step()
+            for view, _, _ in views:
+                view.grad = None
+            offset = 0
+            for p in params:
+                p.data.copy_(main[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            buf.zero_()
+        t = clock.stop()
+        if i >= warmup:
+            times.append(t)
+    return statistics.median(times)
+
+
 def stage_overheads(times: dict, spec: ModelSpec, wake: bool) -> dict:
     """The ``overhead_ms`` of a profile entry from :func:`time_in_sequence`'s rounds with
     the stages of :func:`build_stages` (keys "s1", "s2", "s1-wake"), as medians over the
@@ -560,6 +605,10 @@ def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, prog
                 entry = {"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": rows}
                 if stages:
                     entry["overhead_ms"] = stage_overheads(times, cfg.model, device.type == "cpu")
+                    step = [time_optimizer(runtime[n], device, cfg.repeats, cfg.warmup) for n in ("s1", "s2")]
+                    # [ms per layer, ms per stage]
+                    entry["overhead_ms"]["optimizer"] = [round(step[1] - step[0], 6),
+                                                         round(2 * step[0] - step[1], 6)]
                 if device.type == "cuda":
                     context = _context_bytes(device)
                     entry["reserved_bytes"] = context + workspace

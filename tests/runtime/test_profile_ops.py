@@ -84,7 +84,7 @@ def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
 
     for e in load_profile(measured).data["models"][0]["entries"]:
         oh = e["overhead_ms"]
-        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op"}
+        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer"}
         assert all(math.isfinite(v) for pair in oh.values() for v in pair)
     from eth.model import all_ops, layer_ops
 
