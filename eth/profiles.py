@@ -13,6 +13,11 @@ One JSON file per device type (``profiles/<device>.json``), version 1::
      "collectives": {"all_reduce": {"2": [[bytes, ms], ...]}, "p2p": {...}},   # optional
      "tp_comm_included": false}                                                   # optional
 
+An entry may carry ``overhead_ms`` (measured profiles: what the runtime costs beyond the
+ops, per layer, per stage call, per checkpointed run, after an emulation sleep, and the
+optimizer step; :data:`OVERHEAD_KEYS`, :meth:`DeviceProfile.overheads`, docs/FORMATS.md);
+absent means zeros.
+
 A model entry may carry its own "source" (analytic entries that ``ProfileDB.ensure``
 or ``analytic_profile(base=...)`` add to a measured file say "analytic").
 
@@ -215,16 +220,24 @@ class DeviceProfile:
         """(fwd, bwd) ms pairs of :data:`OVERHEAD_KEYS`, flat (layer fwd, layer bwd, stage
         fwd, ...), of the entry field ``overhead_ms`` at ``mbs`` (linear between profiled sizes, the nearest one
         outside them); zeros when the profile has none (analytic and imported profiles)."""
-        rows = sorted(self._overheads.get((shape_key(model), tp), []), key=lambda r: r[0])
+        key = ("overheads", shape_key(model), mbs, tp)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        rows = sorted(self._overheads.get(key[1:2] + (tp,), []), key=lambda r: r[0])
         if not rows:
-            return (0.0,) * len(OVERHEAD_KEYS) * 2
-        sizes = [r[0] for r in rows]
-        i = bisect.bisect_left(sizes, mbs)
-        if i < len(rows) and sizes[i] == mbs or i == len(rows) or i == 0:
-            return rows[min(i, len(rows) - 1)][1]
-        (m0, a), (m1, b) = rows[i - 1], rows[i]
-        w = (mbs - m0) / (m1 - m0)
-        return tuple(x + w * (y - x) for x, y in zip(a, b))
+            result = (0.0,) * len(OVERHEAD_KEYS) * 2
+        else:
+            sizes = [r[0] for r in rows]
+            i = bisect.bisect_left(sizes, mbs)
+            if i < len(rows) and sizes[i] == mbs or i == len(rows) or i == 0:
+                result = rows[min(i, len(rows) - 1)][1]
+            else:
+                (m0, a), (m1, b) = rows[i - 1], rows[i]
+                w = (mbs - m0) / (m1 - m0)
+                result = tuple(x + w * (y - x) for x, y in zip(a, b))
+        self._cache[key] = result
+        return result
 
     def collective_table(self, kind: str, n: int):
         table = (self.data.get("collectives") or {}).get(kind, {}).get(str(n))

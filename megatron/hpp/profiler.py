@@ -28,6 +28,12 @@ existing measured file.  What is measured and how:
   through the chained ops (embedding -> layer -> head + loss, as in a step),
   parameter grads reset to None before each run.  CUDA: CUDA events; CPU: the thread's
   CPU time (``time.thread_time``) when torch runs one thread, else ``time.perf_counter``.
+* overhead_ms (``overheads``, default on): in the same rounds, the runtime's own
+  ``GPTStage`` (1 and 2 layers, one and all ops of a layer recomputed, with the
+  runtime's gradient-accumulation hooks) forward + backward, and on the CPU the 1-layer
+  stage again after the core idled (:data:`WAKE_PAUSE_S`); what they cost beyond the ops
+  (per layer, per stage call, per checkpoint, the wake-up) is :func:`stage_overheads`,
+  the step after the backward :func:`time_optimizer` (docs/FORMATS.md).
 * weight_bytes: bytes of the parameters (this tp rank's shard) that receive a gradient
   in the op's backward.
 * act_bytes: measured with ``torch.autograd.graph.saved_tensors_hooks``: the sum over
