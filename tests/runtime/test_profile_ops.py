@@ -113,6 +113,15 @@ def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
     assert stage_overheads({"stages": {"s1": s1, "s2": s2}, "op_sums": sums}, TINY, False)["wake"] == [0, 0]
 
 
+def test_no_overheads_flag_times_the_ops_only(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    assert run(["--model", "tiny", "--device-type", "cpu", "--mbs", "2", "--tp", "1", "--no-overheads",
+                "-o", str(path), *FAST]) == 0
+    entry = load_profile(path).data["models"][0]["entries"][0]
+    assert "overhead_ms" not in entry and set(entry["ops"]) == set(ALL_OPS)
+    assert ProfileDB.load(path).overheads("cpu", TINY, 2, 1) == (0.0,) * 12
+
+
 def test_weight_bytes_equal_the_formula_in_the_dtype(measured):
     for (mbs, tp), ops in entries(measured).items():
         shapes = op_shapes(TINY, mbs, tp)
