@@ -308,9 +308,9 @@ class CostModel:
         """The step after the backward on one rank of ``stage`` (measured profiles'
         overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it;
         0 without the field), added to the stage's Eq. 5 end time."""
-        oh = self.profiles.overheads(stage.device_type, self.model, mbs // stage.dp, stage.tp)
-        if not (oh[10] or oh[11]):
+        if not self.profiles.get(stage.device_type).has_overheads:
             return 0.0
+        oh = self.profiles.overheads(stage.device_type, self.model, mbs // stage.dp, stage.tp)
         ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
         return ms / stage.dp if self.setup.zero_stage > 0 else ms
 

@@ -186,6 +186,8 @@ class DeviceProfile:
                 if len(set(mbs_list)) != len(mbs_list):
                     raise ProfileError(f"{mw} lists mbs {mbs_list} twice for tp {tp}")
         self._cache: dict = {}
+        self.has_overheads = any(any(row) for rows in self._overheads.values() for _, row in rows)
+        """Whether any entry has a non-zero ``overhead_ms`` (the cost model skips them if not)."""
 
     def tp_comm_included(self, model: ModelSpec) -> bool:
         """True when ``model``'s op times already contain the tp all-reduces."""
