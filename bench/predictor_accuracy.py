@@ -1,6 +1,6 @@
 """Cost-model predictions against runs of the runtime on this machine (issue 10 item 5).
 
-    OMP_NUM_THREADS=1 python bench/predictor_accuracy.py            # ~3-4 min on 2 cores
+    OMP_NUM_THREADS=1 python bench/predictor_accuracy.py            # ~4 min on 2 cores
 
 1. Profiles the CPU with ``tools/profile_ops.py`` (tiny model, fp32, mbs 1,2,4,8,16,
    tp 1,2; thread CPU time, so other processes on the machine do not inflate it)
@@ -11,6 +11,11 @@
    (emulated types: the ``cpu`` profile / speed, ``eth.profiles.emulated_profile``), and
    runs it under torchrun on gloo (one launch per configuration, this file's
    ``--worker`` mode: ``megatron.hpp.training.Trainer``, synthetic data).
+   Right before each run it profiles the plan's (mbs, tp) again (``--repeats 20``;
+   ``--no-adjacent`` skips it) and predicts from that profile too: the host's speed
+   drifts by tens of percent within minutes, and a profile taken first and runs taken
+   later show that drift as a one-sided error.  The host drift (adjacent / start op
+   times) is printed next to the raw and the adjacent errors.
 3. Prints and writes (``bench/results/predictor_accuracy.md`` and ``.json``, with the
    command, the commit and the load average before and after every run) predicted vs
    measured:
