@@ -9,6 +9,9 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
                                                            none when the profile's op times
                                                            include them (tp_comm_included)
          + p2p send of the output activation to the next stage (not last stage)
+         + runtime overheads: layers x layer + stage, + per checkpointed run of k
+           recomputed ops checkpoint + k x checkpoint_op (measured profiles' overhead_ms,
+           forward and backward alike; CPU-emulated types add the "wake" cost)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
          + TP all-reduces (backward, and re-done forward ones of recomputed ops)
@@ -54,7 +57,8 @@ ones, which sub-block 0 carries) in the setup's bytes per element (fp32 or bf16
 gradients; ZeRO's reduce-scatter + all-gather), reduced over N = sum over pipelines
 of the dp degree of the stage that holds the block (one participant per replica),
 over the slowest link among its holders.  Iteration time of a plan
-(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te.
+(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te + the stage's
+optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only).
 """
 from __future__ import annotations
 
@@ -244,6 +248,15 @@ class CostModel:
             bwd += ops[op].bwd_ms
             weights += ops[op].weight_bytes
             act += ops[op].act_bytes
+        # the runtime's cost beyond the ops, per layer and per stage call (measured profiles'
+        # overhead_ms; zeros for analytic and imported ones)
+        oh = self.profiles.overheads(device_type, self.model, micro, tp)
+        fwd += nl * oh[0] + oh[2]
+        bwd += nl * oh[1] + oh[3]
+        if recompute and any(oh[6:10]):   # per checkpoint: a + k x b for a run of k ops
+            runs, run_ops = self._recompute_run_counts(ops, recompute)
+            fwd += runs * oh[6] + run_ops * oh[8]
+            bwd += runs * oh[7] + run_ops * oh[9]
 
         comm = 0.0
         if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them
@@ -291,6 +304,16 @@ class CostModel:
         comm += send_f + send_b
         return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b
 
+    def optimizer_ms(self, mbs: int, stage) -> float:
+        """The step after the backward on one rank of ``stage`` (measured profiles'
+        overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it;
+        0 without the field), added to the stage's Eq. 5 end time."""
+        if not self.profiles.get(stage.device_type).has_overheads:
+            return 0.0
+        oh = self.profiles.overheads(stage.device_type, self.model, mbs // stage.dp, stage.tp)
+        ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
+        return ms / stage.dp if self.setup.zero_stage > 0 else ms
+
     def _peak_extra(self, params: float, activations: float) -> float:
         """Bytes above the model states at the device's peak: the activation peak, or the
         optimizer step's (ZeRO 1/2: the updated weights all-gathered into a full buffer
@@ -298,6 +321,19 @@ class CostModel:
         freed the activations."""
         gather = params * self.setup.weight_bytes if self.setup.zero_stage > 0 else 0.0
         return max(activations, gather)
+
+    @staticmethod
+    def _recompute_run_counts(ops, recompute: dict[str, int]) -> tuple[int, int]:
+        """(checkpointed runs, ops in them) summed over the stage's layers (the runtime
+        runs each run of recomputed ops under one checkpoint)."""
+        order = tuple(op for op in ops if op in _LAYER_OP_SET)
+        runs = run_ops = prev = 0
+        for n in sorted(set(recompute.values())):
+            here = recompute_runs({op for op, k in recompute.items() if k >= n}, order)
+            runs += (n - prev) * len(here)
+            run_ops += (n - prev) * sum(len(r) for r in here)
+            prev = n
+        return runs, run_ops
 
     @staticmethod
     def _recompute_savings(ops, recompute: dict[str, int]) -> float:
@@ -371,6 +407,7 @@ class CostModel:
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
             ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
+            ends = [e + self.optimizer_ms(p.mbs, s) for e, s in zip(ends, p.stages)]
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):
