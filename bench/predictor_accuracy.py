@@ -30,7 +30,8 @@
      ``reserved_bytes``, a fixed allowance for the framework, left out) vs the peak of
      the bytes the process's tensors hold, measured with ``torch.profiler``
      (``profile_memory``: every CPU allocation and free from before the model is built
-     to the end of the second iteration).
+     to the end of the second iteration; frees on gloo's threads counted too,
+     :func:`frees_on_all_threads`).
 
 The emulated device types run at ``emulate_speed`` <= 0.25 so that all ranks' compute
 together needs at most about one core of the two, and sleeps (not contention) set the
@@ -40,6 +41,7 @@ every figure carries the load average it was taken under.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -145,6 +147,40 @@ def predict(plan, db) -> dict:
 # ----------------------------------------------------------------------------------
 # The worker (one process per rank under torchrun).
 
+@contextlib.contextmanager
+def frees_on_all_threads():
+    """Count every thread's frees in the profiler's "Total Allocated" counter.
+
+    torch.profiler updates that counter only for allocations and frees made on a
+    profiled thread, but gloo frees a tensor on its worker thread when its collective
+    holds the last reference (the forward all-reduce of a row-parallel GEMM's output,
+    the backward all-reduce of a column-parallel GEMM's input gradient, ...): those
+    bytes then stay in the counter and the measured peak drifted up by 0.1-1.2 MiB per
+    rank, with the timing, in tp and dp runs.  c10's flag ``caffe2_report_cpu_memory_usage``
+    makes its CPU allocation reporter keep the counter on every thread (c10/core/CPUAllocator.cpp,
+    ``ProfiledCPUMemoryReporter``); torch has no Python API for it, so it is set through
+    ctypes, and left as it was afterwards (it costs a lock per allocation)."""
+    import ctypes
+    import glob
+
+    import torch
+
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(libs[0]), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (IndexError, OSError, ValueError):
+        print("warning: c10's FLAGS_caffe2_report_cpu_memory_usage not found: frees on gloo's "
+              "threads are not counted and the measured peak may be high", file=sys.stderr)
+        yield
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
 def _peak_tensor_bytes(prof) -> float:
     """Largest 'Total Allocated' of the profiler's CPU memory events: the bytes held by
     tensors allocated since the profiler started, at their peak."""
@@ -173,7 +209,7 @@ def worker(args) -> int:
     total = args.warmup + args.iters
     cfg = TrainConfig(plan=args.worker, train_iters=total, log_interval=total)
     plan, layout, rank = prepare(cfg)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with frees_on_all_threads(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = Trainer(cfg, layout, rank)
         results = [trainer.step(i) for i in range(2)]   # the peak: optimizer state exists from step 1
     peak = _peak_tensor_bytes(prof)

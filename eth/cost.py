@@ -30,9 +30,13 @@ Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
       activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
         min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
         contiguous run of recomputed ops in a layer frees its saved activations but
-        keeps the input of the run's first op (the checkpoint).  Not counted: the run
-        the backward re-materialises (bench/predictor_accuracy.py measures it: one
-        layer's freed bytes; the planner's recompute search assumes this form)
+        keeps the input of the run's first op (the checkpoint),
+        + the backward's transient bytes of the one micro-batch being backpropagated
+        (:meth:`CostModel._backward_bytes`, :meth:`CostModel._remat_bytes`): the
+        gradients of one op's output, input and weights less the saved activations
+        already freed, and the largest recomputed run re-materialised
+        (bench/predictor_accuracy.py measures them: without them the measured peak of
+        a one-layer stage was 12% and of a fully recomputed one 11% above the model's)
       the optimizer step (activations freed): with ZeRO 1/2 the all-gather of the
         updated weights into a full buffer, params x w bytes
         (:meth:`CostModel._peak_extra`; bench/predictor_accuracy.py measures both)
@@ -219,9 +223,9 @@ class CostModel:
         if shape is None:
             shape = self._cache[skey] = self._stage_shape(device_type, tp, mbs // dp, nl, first, last,
                                                           recompute, links)
-        fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b = shape
+        fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b, transient = shape
         memory = (params * self.setup.state_bytes_per_param(dp)
-                  + self._peak_extra(params, inflight * max(act, 0.0)) + reserved)
+                  + self._peak_extra(params, inflight * max(act, 0.0) + transient) + reserved)
         capacity = self.cluster.types[device_type].memory_bytes
         cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
                          send_f, send_b)
@@ -230,8 +234,9 @@ class CostModel:
 
     def _stage_shape(self, device_type: str, tp: int, micro: int, nl: int, first: bool, last: bool,
                      recompute: dict[str, int], links: tuple[float, float, float]) -> tuple:
-        """(fwd, bwd, recompute, comm ms, params, act bytes, reserved bytes, send fwd / bwd ms) of
-        ``nl`` layers at ``micro`` samples per replica; ``links`` = (tp group, next, previous)."""
+        """(fwd, bwd, recompute, comm ms, params, act bytes, reserved bytes, send fwd / bwd ms,
+        backward transient bytes) of ``nl`` layers at ``micro`` samples per replica;
+        ``links`` = (tp group, next, previous)."""
         prof = self.profiles.get(device_type)
         scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
         ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
@@ -302,7 +307,8 @@ class CostModel:
         fwd += send_f
         bwd += send_b
         comm += send_f + send_b
-        return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b
+        transient = self._backward_bytes(ops, last) + self._remat_bytes(ops, recompute, nl)
+        return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b, transient
 
     def optimizer_ms(self, mbs: int, stage) -> float:
         """The step after the backward on one rank of ``stage`` (measured profiles'
@@ -356,6 +362,58 @@ class CostModel:
             saved += (n - prev) * per_layer
             prev = n
         return saved
+
+    def _backward_bytes(self, ops, last: bool) -> float:
+        """Transient bytes of the backward of one micro-batch above its saved activations.
+
+        While an op's backward runs, the gradient of its output, the gradient of its
+        input it produces and the gradient of its weights (before the accumulation hook
+        adds it to the gradient buffer) are alive: input + output + weight bytes.  The
+        saved activations of the ops backpropagated before it are freed by then, so the
+        op adds max(input + output + weight - freed, 0); the largest of these is reached
+        in the first layer backpropagated (later layers have freed more), so the scan
+        covers the head ops (last stage) and one layer, in backward order.  Activation
+        memory analyses (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+        Large Transformer Models") count the saved activations only, at their peak when
+        all in-flight micro-batches are held; this term is what that count leaves out.
+        The head's logits gradient (vocab-sized) needs no room of its own: megatron-core's
+        vocab-parallel cross entropy makes it in place in its saved softmax."""
+        order = (post_ops(self.model)[::-1] if last else ()) + layer_ops(self.model)[::-1]
+        peak, freed = 0.0, 0.0
+        for op in order:
+            c = ops[op]
+            peak = max(peak, c.input_bytes + c.output_bytes + c.weight_bytes - freed)
+            freed += c.act_bytes
+        return peak
+
+    @staticmethod
+    def _remat_bytes(ops, recompute: dict[str, int], nl: int) -> float:
+        """Bytes a recomputed run holds again in the backward of one micro-batch, above
+        the stage's activation peak: each run is one checkpoint that the backward re-runs
+        when it reaches it (``torch.utils.checkpoint``, as Megatron's activation
+        recomputation), one layer at a time, holding the run's saved activations less
+        its input (what :meth:`_recompute_savings` counts as freed) until the run's
+        backward is done.  Layer l of the ``nl`` is reached after layers l+1.. of the
+        micro-batch have freed their saved activations (after recompute), so it adds
+        max(its largest run - those, 0); the largest over the layers.  Layers l < n
+        recompute {op: count >= n} (the deepest of each count level is the one reached
+        first).  The head ops' activations are not counted as freed: their gradients
+        are still alive when the last layer's backward starts."""
+        levels = sorted({n for n in recompute.values() if n > 0}, reverse=True)
+        if not levels:
+            return 0.0
+        order = tuple(op for op in ops if op in _LAYER_OP_SET)
+        full = sum(ops[op].act_bytes for op in order)
+        # saved activations of the layers behind the deepest layer of each level
+        behind = (nl - levels[0]) * full if levels[0] < nl else 0.0
+        most, upper, saved = 0.0, levels[0], 0.0
+        for n in levels:
+            behind += (upper - n) * (full - saved)   # layers [n, upper) recompute the level above's
+            runs = recompute_runs({op for op, k in recompute.items() if k >= n}, order)
+            freed = [max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0) for run in runs]
+            most = max(most, max(freed, default=0.0) - behind)
+            upper, saved = n, sum(freed)
+        return most
 
     def _measured(self, prof, device_type, link):
         """The profile, whose measured collective tables (taken inside one node) apply only
