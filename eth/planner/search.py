@@ -56,6 +56,7 @@ from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import Candidate, finer_microbatches, polish, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
+from eth.planner.symmetric import symmetric_phase
 from eth.profiles import ProfileDB
 
 
@@ -365,6 +366,10 @@ class HPPSearch:
                 self.stats.groups_not_visited += n - visited
                 if dp_now:
                     break
+            symmetric = {}
+            if opt.symmetric and not self._out_of_time():
+                with self.phases("symmetric", sticky=True):
+                    symmetric = symmetric_phase(self)
             for cand in list(self._top):
                 if self._out_of_time():
                     break
@@ -400,6 +405,8 @@ class HPPSearch:
             "time_limited": self.stats.time_limited,
             "phase_s": self.phases.rounded(),
         }
+        if opt.symmetric:
+            plan.search["symmetric"] = symmetric
         return plan.validate()
 
     def _mark_dp(self, p: int) -> None:
