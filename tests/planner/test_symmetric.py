@@ -93,7 +93,7 @@ def test_the_widening_finds_a_faster_plan_and_is_recorded(case):
 
 
 def test_layer_moves_are_the_far_single_layer_moves():
-    from eth.planner.evaluate import Evaluation, PipeState, StageState
+    from eth.planner.evaluate import PipeState, StageState
     stages = tuple(StageState("A100", 1, 1, n) for n in (3, 1, 2, 2))
     r = PipelineResult((1,), 8, None, PipeState(stages, 1), None, ())
     got = sorted(tuple(s.layers for s in m.stages) for m in layer_moves(r))
