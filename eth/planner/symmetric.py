@@ -6,21 +6,34 @@ block (32-128 devices) of a type, and DP (Eq. 10) takes over after a few pipelin
 Many identical mixed pipelines -- e.g. 16 pipelines of 16 910B2 + 16 910B3 on 512
 devices, HexiScale's shape -- are then out of reach although they lie in HPP's space.
 
-:func:`symmetric_phase` adds them.  For every pipeline count k > 1 that divides every
-type's device count (and k <= Gbs, ``max_pipelines``), the *symmetric group* is k copies
-of one pipeline with count_t / k devices of each type.  It is evaluated on its own block
-granularity (one block = one pipeline's devices of a type, so the pipeline is the block
-vector (1, ..., 1) and the group is k copies of it) by a sibling
-:class:`eth.planner.search.HPPSearch` that shares the parent's cost model, evaluator,
-clock, phase timer and statistics: phase 1 plans the pipeline once (Eq. 1, B = Gbs) and
-the cache reuses it for all k copies; phase 2 allocates the Lbs (Eq. 2-5: Gbs / k each
-when the Mbs allow it), phase 3 refines, and the polish (:func:`eth.planner.polish.polish`,
-unless ``polish_top`` is 0) treats the group like any other -- its moves may make the
-pipelines differ.  A pipeline count is left out when the enumeration already visited
-that symmetric group in the parent's own blocks (k divides every block count, k was
-counted before DP took over, no time limit), and k = 1 (the one-pipeline group is the
-enumeration's first).  The best candidate replaces the search's best only if it is
-predicted faster, so the phase can only improve the plan.
+:func:`symmetric_phase` adds them, after the enumeration and before the final polish.
+For every pipeline count k > 1 that divides every type's device count (and k <= Gbs,
+``max_pipelines``), the *symmetric group* is k copies of one pipeline with count_t / k
+devices of each type.  It is evaluated on its own block granularity (one block = one
+pipeline's devices of a type, so the pipeline is the block vector (1, ..., 1)) by a
+sibling :class:`eth.planner.search.HPPSearch` that shares the search's cost model,
+evaluator, clock, phase timer and statistics (:func:`_evaluate`):
+
+1. the normal three phases (:meth:`HPPSearch.evaluate_group`): phase 1 plans the
+   pipeline once for B = Gbs and the cache reuses it for all k copies, phase 2 allocates
+   the Lbs, phase 3 refines;
+2. phase 1 for B = Gbs / k (when k divides Gbs: Eq. 1's bubble is then that of the
+   micro-batches the pipeline really runs), and each of its stage groups' configurations
+   copied k times and allocated (:func:`_copies`), then finer Mbs;
+3. for the ``polish_top`` best groups within ``refine_margin`` of the best plan so far:
+   a steepest descent that applies one move to every pipeline at once (:func:`_descend`;
+   :func:`eth.planner.polish.pipeline_moves` and :func:`layer_moves`, which moves a layer
+   between any two stages: the group's Eq. 5 charges each stage's All-Reduce after its
+   backward tail, which the balancer's Eq. 1 does not see), scored by the whole group's
+   allocation, then the exact allocation with free Mbs
+   (:func:`eth.planner.polish.variant_allocation`).
+
+A pipeline count is left out when the enumeration already visited that symmetric group in
+the search's own blocks (k divides every block count, k was counted before DP took over,
+no time limit), and k = 1 (the one-pipeline group is the enumeration's first).  The best
+candidate replaces the search's best only if it is predicted faster, so the phase can only
+improve the plan; ``plan.search["symmetric"]`` records the counts tried, each one's
+predicted ms and the count that won (0: none).
 """
 from __future__ import annotations
 
@@ -29,7 +42,7 @@ from dataclasses import replace
 
 from eth.planner.enumerate import Blocks, make_blocks
 from eth.planner.pipeline import PipelineResult
-from eth.planner.polish import Candidate, finer_microbatches, pipeline_moves, polish
+from eth.planner.polish import Candidate, finer_microbatches, pipeline_moves, variant_allocation
 
 
 def divisors(n: int) -> list[int]:
@@ -145,6 +158,13 @@ def _descend(search, cand: Candidate, budget: int) -> Candidate:
     return cand
 
 
+DESCENT_BUDGET = 4
+"""The symmetric descent may spend this many times ``polish_budget`` group evaluations
+on each polished symmetric group.  The general polish (:func:`eth.planner.polish.polish`)
+is not run on these groups: its moves change one pipeline of k identical ones, which
+rarely pays, and its re-plans cost much on 512-1024 devices."""
+
+
 def symmetric_phase(search) -> dict:
     """Evaluate (and polish) the symmetric groups of ``search``; adopt the best if faster.
 
@@ -173,7 +193,10 @@ def symmetric_phase(search) -> dict:
         # the polish_top best within refine_margin of the best plan so far
         if i >= search.opt.polish_top or cand.iteration_ms > bar or search._out_of_time():
             break
-        better = polish(child, _descend(child, cand, 4 * search.opt.polish_budget), search.opt.polish_budget)
+        better = _descend(child, cand, DESCENT_BUDGET * search.opt.polish_budget)
+        final = None if search._out_of_time() else variant_allocation(child, better.results)
+        if final is not None and final.iteration_ms < better.iteration_ms:
+            better = final
         if better.iteration_ms < cand.iteration_ms:
             found[i] = (k, better, child)
             record["ms"][str(k)] = round(better.iteration_ms, 4)
