@@ -25,20 +25,25 @@ class RunEvaluator(Evaluator):
         ops = layer_ops(self.model)
         core = tuple(op for op in ops if op in UNFUSED_ATTENTION_OPS + ("fused-attention",))
         self.runs = tuple(r for r in (core, ops) if r)
-        self._run_fit: dict = {}
+        self._run_fit: dict = {}   # fit key -> result (every stage, not only those with recompute)
+        self._facts: dict = {}
 
     def fit_stage(self, st, layers, mbs, j, num_stages, nmb, ranks, next_ranks, prev_ranks=None, links=None):
-        base = super().fit_stage(st, layers, mbs, j, num_stages, nmb, ranks, next_ranks, prev_ranks, links)
-        if not base[1]:          # no recompute needed
-            return base
         inflight = max(1, min(num_stages - j, nmb))
         if links is None:
             links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
         first, last = layers[0] == 0, layers[1] == self.model.num_layers
-        key = (st, first, last, mbs, inflight) + tuple(links)
+        key = (st, first, last, mbs, inflight) + tuple(links)   # all that the fit reads
         hit = self._run_fit.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = super().fit_stage(st, layers, mbs, j, num_stages, nmb, ranks, next_ranks, prev_ranks, links)
+            if hit[1]:           # recompute needed: also the runs
+                hit = self._runs(st, layers, mbs, inflight, first, last, links, hit)
+            self._run_fit[key] = hit
+        return hit
+
+    def _runs(self, st, layers, mbs, inflight, first, last, links, base):
+        """The fastest of ``base`` (the op order's fit) and each run in its fewest layers."""
         nl, micro = layers[1] - layers[0], mbs // st.dp
 
         def cost(rec):
@@ -63,14 +68,13 @@ class RunEvaluator(Evaluator):
                     if best[2] > 0 or c.total_ms < best[0].total_ms * (1 - 1e-12):
                         best = (c, tuple(sorted((op, n) for op in run)), 0.0)
                     break
-        self._run_fit[key] = best
         return best
 
     def _run_facts(self, device_type: str, micro: int, tp: int, run) -> tuple[float, float]:
         """(bytes one layer's recompute of ``run`` frees, its recompute ms) at this shape."""
         key = (device_type, micro, tp, run)
-        if key not in self._run_fit:
+        if key not in self._facts:
             ops = self.cost.profiles.layer_costs(device_type, self.model, micro, tp)[0]
-            self._run_fit[key] = (self.cost._recompute_savings(ops, {op: 1 for op in run}),
-                                  sum(ops[op].fwd_ms for op in run))
-        return self._run_fit[key]
+            self._facts[key] = (self.cost._recompute_savings(ops, {op: 1 for op in run}),
+                                sum(ops[op].fwd_ms for op in run))
+        return self._facts[key]
