@@ -432,14 +432,16 @@ def save_profile(data: dict, path) -> None:
     atomic_write_text(path, json.dumps(data, indent=None, separators=(",", ":")) + "\n")
 
 
-def analytic_op_costs(device: DeviceType, model: ModelSpec, mbs: int, tp: int) -> dict[str, list]:
+def analytic_op_costs(device: DeviceType, model: ModelSpec, mbs: int, tp: int,
+                      include_unapplied: bool = False) -> dict[str, list]:
     """Roofline op costs (see module docstring) as profile rows.  GEMM ops run at the
     device type's size-dependent efficiency (``eth.gemm_efficiency``: eff(m, n, k) of the
     op's GEMM dimensions, the same for the backward's two GEMMs; a GEMM op without known
-    dimensions, e.g. fused attention, at the curve's peak_eff)."""
+    dimensions, e.g. fused attention, at the curve's peak_eff; ``include_unapplied``: also
+    a fitted curve marked ``applied: false``)."""
     from eth.gemm_efficiency import efficiency_for, gemm_dims
 
-    curve = efficiency_for(device.name)
+    curve = efficiency_for(device.name, include_unapplied)
     dims = gemm_dims(model, mbs, tp)
     peak = device.tflops * 1e12 / 1e3                          # flop per ms at 100 %
     bw = device.mem_bw_gbs * 1e9 * MEMORY_EFFICIENCY / 1e3     # bytes per ms
@@ -463,25 +465,28 @@ def _curve_record(curve) -> dict:
 
 
 def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
-                     base: dict | None = None) -> dict:
-    """A profile JSON dict for ``device`` (merged into ``base`` if given)."""
+                     base: dict | None = None, include_unapplied: bool = False) -> dict:
+    """A profile JSON dict for ``device`` (merged into ``base`` if given; GEMM curve as
+    :func:`analytic_op_costs`)."""
     from eth.gemm_efficiency import GemmEfficiency, efficiency_for
 
+    curve = efficiency_for(device.name, include_unapplied)
     data = dict(base) if base else {
         "version": PROFILE_VERSION, "device": device.name, "source": "analytic",
         "provenance": {
             "generator": "eth.profiles.analytic_profile (roofline)",
             "datasheet": {"tflops": device.tflops, "memory_gb": device.memory_gb,
                           "mem_bw_gbs": device.mem_bw_gbs, "source": device.source},
-            "gemm_efficiency": GEMM_EFFICIENCY if efficiency_for(device.name) == GemmEfficiency() else
-                               _curve_record(efficiency_for(device.name)),
+            "gemm_efficiency": GEMM_EFFICIENCY if curve == GemmEfficiency() else _curve_record(curve),
             "memory_efficiency": MEMORY_EFFICIENCY,
             "kernel_overhead_ms": KERNEL_OVERHEAD_MS, "reserved_bytes": RESERVED_BYTES},
         "op_fields": list(OP_FIELDS), "tp_comm_included": False, "models": []}
+    if not base and curve != efficiency_for(device.name):
+        data["provenance"]["gemm_efficiency"]["applied"] = False   # opted in (include_unapplied)
     data["models"] = list(data["models"])
     for model in models:
         entries = [{"mbs": m, "tp": t, "reserved_bytes": RESERVED_BYTES,
-                    "ops": analytic_op_costs(device, model, m, t)}
+                    "ops": analytic_op_costs(device, model, m, t, include_unapplied)}
                    for t in tp if model.splits(t) for m in mbs]
         data["models"].append({"name": model.name, "source": "analytic", "tp_comm_included": False,
                                "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},

@@ -81,17 +81,48 @@ def test_validation_names_the_field(mutate, message, tmp_path):
 
 
 def test_analytic_roofline_numbers():
-    a100 = catalog()["A100"]
-    data = analytic_profile(a100, [TINY], mbs=(1,), tp=(1,))
+    b2 = catalog()["910B2"]      # a type without a fitted GEMM curve (eth/data/gemm_efficiency.yaml)
+    data = analytic_profile(b2, [TINY], mbs=(1,), tp=(1,))
     assert data["source"] == "analytic" and data["provenance"]["gemm_efficiency"] == GEMM_EFFICIENCY
     prof = DeviceProfile(data)
     ops, _ = prof.layer_costs(TINY, 1, 1)
     shapes = op_shapes(TINY, 1, 1)
-    gemm = shapes["qkv"].flops_fwd / (312e12 * GEMM_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
-    mem = shapes["softmax"].traffic_bytes / (2039e9 * MEMORY_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
+    gemm = shapes["qkv"].flops_fwd / (376e12 * GEMM_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
+    mem = shapes["softmax"].traffic_bytes / (1600e9 * MEMORY_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
     assert ops["qkv"].fwd_ms == pytest.approx(gemm)
     assert ops["softmax"].fwd_ms == pytest.approx(mem)
     assert ops["softmax"].bwd_ms == pytest.approx(2 * (mem - KERNEL_OVERHEAD_MS) + KERNEL_OVERHEAD_MS)
+
+
+def test_make_profiles_gemm_efficiency_fitted_opts_into_the_unapplied_curves(tmp_path, capsys):
+    from eth.cli_profiles import main
+    from eth.gemm_efficiency import GemmEfficiency, efficiency_for, gemm_dims
+
+    a100, tiny = catalog()["A100"], get_model("tiny")
+    fitted = efficiency_for("A100", include_unapplied=True)
+    assert fitted.d0 > 0                                  # A100 has a fitted entry (eth/data/gemm_efficiency.yaml)
+    for mode in ("applied", "fitted"):
+        assert main(["--devices", "A100", "--models", "tiny", "--mbs", "2", "--tp", "1",
+                     "--gemm-efficiency", mode, "-o", str(tmp_path / mode)]) == 0
+    capsys.readouterr()
+    default = json.loads((tmp_path / "applied/A100.json").read_text())
+    opted = json.loads((tmp_path / "fitted/A100.json").read_text())
+    flops = op_shapes(tiny, 2, 1)["qkv"].flops_fwd
+    qkv = opted["models"][0]["entries"][0]["ops"]["qkv"][0]
+    assert qkv == pytest.approx(fitted.ms(gemm_dims(tiny, 2, 1)["qkv"], flops, a100.tflops), abs=1e-6)
+    record = opted["provenance"]["gemm_efficiency"]
+    assert (record["peak_eff"], record["d0"], record["overhead_ms"]) == (fitted.peak_eff, fitted.d0, fitted.overhead_ms)
+    assert record.get("applied", True) == (efficiency_for("A100") == fitted)
+    # the default: the applied curve only (the constant 60 % while the GPU entry says applied: false)
+    if efficiency_for("A100") == GemmEfficiency():
+        assert default["provenance"]["gemm_efficiency"] == GEMM_EFFICIENCY
+        assert default["models"][0]["entries"][0]["ops"]["qkv"][0] == pytest.approx(
+            flops / (a100.tflops * 1e9 * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_MS, abs=1e-6)
+    else:
+        assert default == opted
+    assert main(["--import-aceso", str(tmp_path), "--device", "A100", "--model", "tiny",
+                 "--gemm-efficiency", "fitted", "-o", str(tmp_path / "x.json")]) == 2
+    assert "--gemm-efficiency applies to analytic profiles" in capsys.readouterr().err
 
 
 def test_shipped_profiles_cover_every_catalog_device_and_preset():
