@@ -84,9 +84,11 @@ def test_run_fit_is_the_fastest_of_the_rule_and_every_run():
 
 
 def test_the_search_uses_runs_and_is_not_slower_on_a_memory_starved_device():
-    """1 A100 of 3 GB, gbs 16 (test_baselines.py): the attention core recomputed as one run
-    at a larger mbs is faster than the op order's choice."""
-    cluster = make_cluster([{"type": "A100", "devices_per_node": 1}], device_types={"A100": {"memory_gb": 3}})
+    """2 A100 of 2 GB, gbs 16: a recomputed run makes the searched plan faster than the op
+    order's choice (17.644 vs 17.7745 ms when written).  The 1 A100 of 3 GB case of
+    test_baselines.py no longer shows it: since the memory model counts the re-materialised
+    run (eth.cost ``_remat_bytes``) the op order's fit there is as fast."""
+    cluster = make_cluster([{"type": "A100", "devices_per_node": 2}], device_types={"A100": {"memory_gb": 2}})
     db = profiles_for(M4, cluster)
     on = search(M4, cluster, db, SearchOptions(gbs=16, seeds=False))
     off = search(M4, cluster, db, SearchOptions(gbs=16, seeds=False, recompute_runs=False))
