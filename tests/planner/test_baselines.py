@@ -245,8 +245,9 @@ SMALL = {
         ("uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong"), ""),
     # once slower: unseeded HPP 26.25 ms (mbs 4), uniform/metis/hexiscale 25.58 ms: mbs 8
     # with the attention core (score, softmax, attn-dropout, context) recomputed as one
-    # run, which the per-op order missed; reached since the whole-run recompute
-    # (eth/planner/recompute_runs.py)
+    # run, which the per-op order missed; reached by the whole-run recompute
+    # (eth/planner/recompute_runs.py) and, since the memory model counts the run the
+    # backward re-materialises, by the per-op order as well
     "1 A100 of 3 GB, gbs 16": (
         M4, [{"type": "A100", "devices_per_node": 1}], {"A100": {"memory_gb": 3}}, 16, (), ""),
     # once slower: unseeded HPP 12.22 ms (mbs 2, no recompute), metis 11.96 ms: mbs 4 with
