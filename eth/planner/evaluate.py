@@ -45,12 +45,33 @@ class StageState:
     def dp(self) -> int:
         return self.ndev // self.tp
 
+    def __post_init__(self):
+        # the hash is computed once per state: the balancer's and the evaluator's memos
+        # hash states over and over (the generated hash built a tuple on every call)
+        object.__setattr__(self, "_hash", hash((self.device_type, self.ndev, self.tp, self.layers)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def with_layers(self, layers: int) -> "StageState":
         """This stage with ``layers`` layers (``dataclasses.replace`` is slow in the balancer)."""
-        return StageState(self.device_type, self.ndev, self.tp, layers)
+        return _stage(self.device_type, self.ndev, self.tp, layers)
 
     def with_tp(self, tp: int) -> "StageState":
-        return StageState(self.device_type, self.ndev, tp, self.layers)
+        return _stage(self.device_type, self.ndev, tp, self.layers)
+
+
+def _stage(device_type: str, ndev: int, tp: int, layers: int) -> StageState:
+    """``StageState(device_type, ndev, tp, layers)`` without the frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field: half the cost of a balancer move)."""
+    s = object.__new__(StageState)
+    d = s.__dict__
+    d["device_type"] = device_type
+    d["ndev"] = ndev
+    d["tp"] = tp
+    d["layers"] = layers
+    d["_hash"] = hash((device_type, ndev, tp, layers))
+    return s
 
 
 @dataclass(frozen=True)
@@ -60,12 +81,28 @@ class PipeState:
     stages: tuple[StageState, ...]
     mbs: int
 
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.stages, self.mbs)))   # once, as StageState's
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def layer_ranges(self) -> list[tuple[int, int]]:
         out, start = [], 0
         for s in self.stages:
             out.append((start, start + s.layers))
             start += s.layers
         return out
+
+
+def _pipe(stages: tuple[StageState, ...], mbs: int) -> PipeState:
+    """``PipeState(stages, mbs)`` without the frozen dataclass's ``__init__`` (as :func:`_stage`)."""
+    s = object.__new__(PipeState)
+    d = s.__dict__
+    d["stages"] = stages
+    d["mbs"] = mbs
+    d["_hash"] = hash((stages, mbs))
+    return s
 
 
 @dataclass(frozen=True)
@@ -158,7 +195,7 @@ class Evaluator:
         inflight = max(1, min(num_stages - j, nmb))
         if links is None:
             links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
-        key = (st, first, last, mbs, inflight) + links
+        key = (st.device_type, st.ndev, st.tp, st.layers, first, last, mbs, inflight) + links
         hit = self._fit.get(key)
         if hit is not None:
             return hit
@@ -182,28 +219,33 @@ class Evaluator:
             room = c.capacity_bytes - fixed
 
             nl = layers[1] - layers[0]
-            skey = (st.device_type, mbs // st.dp, st.tp, nl)
+            order = self.recompute_order(st.device_type, mbs // st.dp, st.tp)
+            # per-layer savings of the order's first k ops, k = 0..len(order): the order's
+            # first k ops in all nl layers and op k in m of them save
+            # m * per[k + 1] + (nl - m) * per[k] (CostModel._recompute_savings's sum)
+            pkey = ("per", st.device_type, mbs // st.dp, st.tp)
+            per = self._order.get(pkey)
+            if per is None:
+                per = self._order[pkey] = [self.cost._layer_savings(ops, set(order[:k]))
+                                           for k in range(len(order) + 1)]
+            act, held = c.act_bytes, c.inflight
 
-            def fits(rec, k, op):
-                # rec = the order's first k ops in all nl layers and op (the k-th) in
-                # rec[op] layers, so the savings depend on (shape, k, rec[op]) only
-                sk = skey + (k, rec[op])
-                saved = self._saved.get(sk)
-                if saved is None:
-                    saved = self._saved[sk] = self.cost._recompute_savings(ops, rec)
-                return c.inflight * max(c.act_bytes - saved, 0.0) <= room
+            def fits(k, m):
+                saved = m * per[k + 1]
+                if k and m < nl:
+                    saved += (nl - m) * per[k]
+                return held * max(act - saved, 0.0) <= room
 
             chosen: dict[str, int] = {}
             found = False
             if room >= 0:
-                for k, op in enumerate(self.recompute_order(st.device_type, mbs // st.dp, st.tp)):
+                for k, op in enumerate(order):
                     chosen[op] = nl
-                    if fits(chosen, k, op):
+                    if fits(k, nl):
                         lo, hi = 0, nl
                         while hi - lo > 1:
                             mid = (lo + hi) // 2
-                            chosen[op] = mid
-                            if fits(chosen, k, op):
+                            if fits(k, mid):
                                 hi = mid
                             else:
                                 lo = mid
@@ -238,7 +280,7 @@ class Evaluator:
                    max(1, min(S - j, nmb)))
             hit = memo.get(key)
             if hit is None:
-                hit = memo[key] = self._stage_entry(st, (start, start + st.layers), mbs, j, S, nmb, ranks)
+                hit = memo[key] = self._stage_entry(st, (start, start + st.layers), mbs, j, S, nmb, ranks, memo)
             hits.append(hit)
             overflow += hit[2]
             start += st.layers
@@ -255,12 +297,28 @@ class Evaluator:
             head_bwd += h[0].bwd_ms
         return Evaluation(ms + extra, overflow, costs, recs)
 
-    def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks):
-        """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms)."""
+    def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks,
+                     memo=None):
+        """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms).
+
+        ``memo``: the per-ranks dictionary of :meth:`evaluate`, which also keeps stage j's
+        links by (type, tp) and its own All-Reduce by (stage, first / last layer held)."""
         nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
-        links = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
+        lkey = ("links", j, st.device_type, st.tp)
+        links = memo.get(lkey) if memo is not None else None
+        if links is None:
+            links = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
+            if memo is not None:
+                memo[lkey] = links
         c, rec, over = self.fit_stage(st, rng, mbs, j, S, nmb, ranks[j], nxt, prv, links)
-        ar = self.own_allreduce_ms(st, rng, ranks[j]) if st.dp > 1 else None
+        ar = None
+        if st.ndev > st.tp:
+            akey = ("ar", j, st, rng[0] == 0, rng[1] == self.model.num_layers)
+            ar = memo.get(akey) if memo is not None else None
+            if ar is None:
+                ar = self.own_allreduce_ms(st, rng, ranks[j])
+                if memo is not None:
+                    memo[akey] = ar
         return c, rec, over, ar, c.total_ms
 
     def _evaluate_plain(self, state: PipeState, batch: int, ranks) -> Evaluation:
