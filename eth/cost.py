@@ -219,8 +219,11 @@ class CostModel:
         memory = (params * self.setup.state_bytes_per_param(dp)
                   + self._peak_extra(params, inflight * max(act, 0.0)) + reserved)
         capacity = self.cluster.types[device_type].memory_bytes
-        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
-                         send_f, send_b)
+        # StageCost(...) without the frozen dataclass's __init__ (11 object.__setattr__ calls)
+        cost = object.__new__(StageCost)
+        cost.__dict__.update(fwd_ms=fwd, bwd_ms=bwd, recompute_ms=recompute_ms, comm_ms=comm, params=params,
+                             act_bytes=max(act, 0.0), inflight=inflight, memory_bytes=memory,
+                             capacity_bytes=capacity, send_fwd_ms=send_f, send_bwd_ms=send_b)
         self._cache[key] = cost
         return cost
 

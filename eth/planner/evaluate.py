@@ -126,6 +126,17 @@ class Evaluation:
         return self.overflow == 0
 
 
+def _evaluation(ms: float, overflow: float, costs: tuple, recompute: tuple) -> Evaluation:
+    """``Evaluation(ms, overflow, costs, recompute)`` without the frozen ``__init__`` (as :func:`_stage`)."""
+    e = object.__new__(Evaluation)
+    d = e.__dict__
+    d["ms"] = ms
+    d["overflow"] = overflow
+    d["costs"] = costs
+    d["recompute"] = recompute
+    return e
+
+
 class Evaluator:
     """Evaluates PipeStates with a CostModel; memoises recompute fitting.
 
@@ -273,29 +284,29 @@ class Evaluator:
             memo = self._stages[id(ranks)] = (ranks, {})
         memo = memo[1]
         hits, start, overflow, L = [], 0, 0.0, self.model.num_layers
+        get = memo.get
         for j, st in enumerate(stages):
             # len(ranks) == S; the position enters through j, the first/last flags and
-            # the in-flight micro-batches only
-            key = (j, st.device_type, st.ndev, st.tp, st.layers, start == 0, start + st.layers == L, mbs,
-                   max(1, min(S - j, nmb)))
-            hit = memo.get(key)
+            # the in-flight micro-batches (min(S - j, nmb), both >= 1) only
+            n = st.layers
+            key = (j, st.device_type, st.ndev, st.tp, n, start == 0, start + n == L, mbs,
+                   S - j if S - j < nmb else nmb)
+            hit = get(key)
             if hit is None:
-                hit = memo[key] = self._stage_entry(st, (start, start + st.layers), mbs, j, S, nmb, ranks, memo)
+                hit = memo[key] = self._stage_entry(st, (start, start + n), mbs, j, S, nmb, ranks, memo)
             hits.append(hit)
             overflow += hit[2]
-            start += st.layers
-        costs = tuple(h[0] for h in hits)
-        recs = tuple(h[1] for h in hits)
+            start += n
+        costs, recs, _, ars, totals = zip(*hits)
         if overflow:
-            return Evaluation(math.inf, overflow, costs, recs)
-        totals = [h[4] for h in hits]
+            return _evaluation(math.inf, overflow, costs, recs)
         ms = sum(totals) + max(totals) * (batch / mbs - 1)   # eq1_pipeline_ms
         extra, head_bwd = 0.0, 0.0
-        for h in hits:
-            if h[3] is not None:
-                extra = max(extra, h[3] - head_bwd)
-            head_bwd += h[0].bwd_ms
-        return Evaluation(ms + extra, overflow, costs, recs)
+        for c, ar in zip(costs, ars):
+            if ar is not None:
+                extra = max(extra, ar - head_bwd)
+            head_bwd += c.bwd_ms
+        return _evaluation(ms + extra, overflow, costs, recs)
 
     def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks,
                      memo=None):
