@@ -1,6 +1,6 @@
 """Cost-model predictions against runs of the runtime on this machine (issue 10 item 5).
 
-    OMP_NUM_THREADS=1 python bench/predictor_accuracy.py            # ~3-4 min on 2 cores
+    OMP_NUM_THREADS=1 python bench/predictor_accuracy.py            # ~4 min on 2 cores
 
 1. Profiles the CPU with ``tools/profile_ops.py`` (tiny model, fp32, mbs 1,2,4,8,16,
    tp 1,2; thread CPU time, so other processes on the machine do not inflate it)
@@ -11,6 +11,11 @@
    (emulated types: the ``cpu`` profile / speed, ``eth.profiles.emulated_profile``), and
    runs it under torchrun on gloo (one launch per configuration, this file's
    ``--worker`` mode: ``megatron.hpp.training.Trainer``, synthetic data).
+   Right before each run it profiles the plan's (mbs, tp) again (``--repeats 20``;
+   ``--no-adjacent`` skips it) and predicts from that profile too: the host's speed
+   drifts by tens of percent within minutes, and a profile taken first and runs taken
+   later show that drift as a one-sided error.  The host drift (adjacent / start op
+   times) is printed next to the raw and the adjacent errors.
 3. Prints and writes (``bench/results/predictor_accuracy.md`` and ``.json``, with the
    command, the commit and the load average before and after every run) predicted vs
    measured:
@@ -25,7 +30,8 @@
      ``reserved_bytes``, a fixed allowance for the framework, left out) vs the peak of
      the bytes the process's tensors hold, measured with ``torch.profiler``
      (``profile_memory``: every CPU allocation and free from before the model is built
-     to the end of the second iteration).
+     to the end of the second iteration; frees on gloo's threads counted too,
+     :func:`frees_on_all_threads`).
 
 The emulated device types run at ``emulate_speed`` <= 0.25 so that all ranks' compute
 together needs at most about one core of the two, and sleeps (not contention) set the
@@ -35,6 +41,7 @@ every figure carries the load average it was taken under.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -51,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 GBS = 16
 SPEED_A, SPEED_B = 0.25, 0.1   # emulated "fast" and "slow" CPU device types (2.5 : 1)
 RESULTS = ROOT / "bench" / "results"
+ADJ_REPEATS = 20   # rounds of the quick re-profile right before each run
 
 
 def _cluster(groups, name):
@@ -139,6 +147,40 @@ def predict(plan, db) -> dict:
 # ----------------------------------------------------------------------------------
 # The worker (one process per rank under torchrun).
 
+@contextlib.contextmanager
+def frees_on_all_threads():
+    """Count every thread's frees in the profiler's "Total Allocated" counter.
+
+    torch.profiler updates that counter only for allocations and frees made on a
+    profiled thread, but gloo frees a tensor on its worker thread when its collective
+    holds the last reference (the forward all-reduce of a row-parallel GEMM's output,
+    the backward all-reduce of a column-parallel GEMM's input gradient, ...): those
+    bytes then stay in the counter and the measured peak drifted up by 0.1-1.2 MiB per
+    rank, with the timing, in tp and dp runs.  c10's flag ``caffe2_report_cpu_memory_usage``
+    makes its CPU allocation reporter keep the counter on every thread (c10/core/CPUAllocator.cpp,
+    ``ProfiledCPUMemoryReporter``); torch has no Python API for it, so it is set through
+    ctypes, and left as it was afterwards (it costs a lock per allocation)."""
+    import ctypes
+    import glob
+
+    import torch
+
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(libs[0]), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (IndexError, OSError, ValueError):
+        print("warning: c10's FLAGS_caffe2_report_cpu_memory_usage not found: frees on gloo's "
+              "threads are not counted and the measured peak may be high", file=sys.stderr)
+        yield
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
 def _peak_tensor_bytes(prof) -> float:
     """Largest 'Total Allocated' of the profiler's CPU memory events: the bytes held by
     tensors allocated since the profiler started, at their peak."""
@@ -167,7 +209,7 @@ def worker(args) -> int:
     total = args.warmup + args.iters
     cfg = TrainConfig(plan=args.worker, train_iters=total, log_interval=total)
     plan, layout, rank = prepare(cfg)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with frees_on_all_threads(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = Trainer(cfg, layout, rank)
         results = [trainer.step(i) for i in range(2)]   # the peak: optimizer state exists from step 1
     peak = _peak_tensor_bytes(prof)
@@ -198,11 +240,48 @@ def loadavg() -> str:
         return "n/a"
 
 
-def profile_cpu(path: Path) -> str:
+def profile_cpu(path: Path, mbs="1,2,4,8,16", tp="1,2", repeats=20) -> str:
     cmd = [sys.executable, str(ROOT / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type", "cpu",
-           "--mbs", "1,2,4,8,16", "--tp", "1,2", "--repeats", "20", "--no-progress", "-o", str(path)]
+           "--mbs", mbs, "--tp", tp, "--repeats", str(repeats), "--no-progress", "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
-    return shlex.join(["python", "tools/profile_ops.py"] + cmd[2:-1] + ["<tmp>/cpu.json"])
+    return shlex.join(["python", "tools/profile_ops.py"] + cmd[2:-1] + [f"<tmp>/{path.name}"])
+
+
+def plan_shapes(plan) -> tuple[str, str]:
+    """(mbs list, tp list) of the (samples per replica, tp) the plan's stages run at."""
+    micro = sorted({p.mbs // st.dp for p in plan.pipelines for st in p.stages})
+    tps = sorted({st.tp for p in plan.pipelines for st in p.stages})
+    return ",".join(map(str, micro)), ",".join(map(str, tps))
+
+
+def _without_overheads(path: Path):
+    """The profile at ``path`` without its entries' ``overhead_ms`` (the cost model as it
+    was before the profiler measured the runtime's overheads)."""
+    from eth.profiles import DeviceProfile, ProfileDB, load_profile
+
+    data = json.loads(json.dumps(load_profile(path).data))
+    for m in data["models"]:
+        for e in m["entries"]:
+            e.pop("overhead_ms", None)
+    return ProfileDB({data["device"]: DeviceProfile(data)})
+
+
+def host_drift(start: Path, adjacent: Path) -> float:
+    """Host speed change between the two cpu profiles: the adjacent profile's op times
+    (fwd + bwd, summed over the ops of every (mbs, tp) entry it has) / the start profile's
+    at the same entries (> 1: the host computes more slowly now)."""
+    from eth.model import get_model
+    from eth.profiles import ProfileDB
+
+    model = get_model("tiny")
+    a, b = ProfileDB.load(start).get("cpu"), ProfileDB.load(adjacent).get("cpu")
+    num = den = 0.0
+    for e in next(m for m in b.data["models"] if m["name"] == "tiny")["entries"]:
+        ops_b, _ = b.layer_costs(model, e["mbs"], e["tp"])
+        ops_a, _ = a.layer_costs(model, e["mbs"], e["tp"])
+        num += sum(c.fwd_ms + c.bwd_ms for c in ops_b.values())
+        den += sum(c.fwd_ms + c.bwd_ms for c in ops_a.values())
+    return num / den
 
 
 def _env() -> dict:
@@ -225,14 +304,27 @@ def _err(pred, meas) -> str:
     return f"{(pred / meas - 1) * 100:+.1f}%" if meas else "n/a"
 
 
-def rows_for(name, desc, pred, meas, load) -> list[str]:
+def rows_for(name, desc, pred, meas, load, adj=None, drift=None) -> list[str]:
+    """One table row: raw errors against the profile measured at the start; with ``adj``
+    (the prediction from a profile measured right before the run) its errors follow in
+    brackets, and ``drift`` (host speed change, :func:`host_drift`) gets a column."""
     mib = 2 ** -20
-    comp = "; ".join(f"p{i} {p:.1f} / {m:.1f} ({_err(p, m)})"
+
+    def adj_err(key, i=None):
+        if adj is None:
+            return ""
+        p = adj[key] if i is None else adj[key][i]
+        m = meas[key] if i is None else meas[key][i]
+        return f" [adj. {p:.1f}: {_err(p, m)}]"
+
+    comp = "; ".join(f"p{i} {p:.1f} / {m:.1f} ({_err(p, m)}){adj_err('compute_ms', i)}"
                      for i, (p, m) in enumerate(zip(pred["compute_ms"], meas["compute_ms"])))
     mem = "; ".join(f"r{r} {p * mib:.2f} / {m * mib:.2f} ({_err(p, m)})"
                     for r, (p, m) in enumerate(zip(pred["memory_bytes"], meas["memory_bytes"])))
+    drift_col = f" {drift:.2f} |" if drift is not None else " - |"
     return [f"| {name} | {desc} | {pred['iteration_ms']:.1f} / {meas['iteration_ms']:.1f} "
-            f"({_err(pred['iteration_ms'], meas['iteration_ms'])}) | {comp} | {mem} | {load} |"]
+            f"({_err(pred['iteration_ms'], meas['iteration_ms'])}){adj_err('iteration_ms')} | {comp} |"
+            f"{drift_col} {mem} | {load} |"]
 
 
 def _commit() -> str:
@@ -253,6 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="iterations before the timed ones")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations (median kept)")
     ap.add_argument("--out-dir", default=str(RESULTS), help="where predictor_accuracy.md/.json go")
+    ap.add_argument("--no-adjacent", action="store_true",
+                    help="skip the quick re-profile right before each run (the adjacent errors and drift)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -285,36 +379,67 @@ def main(argv=None) -> int:
             desc, build = CONFIGS[name]
             plan = build()
             pred = predict(plan, ProfileDB.load(profile))
+            bare = predict(build(), _without_overheads(profile))
             plan_path = tmp / f"{name}.json"
             plan.save(plan_path)
+            adj = drift = adj_cmd = None
+            if not args.no_adjacent:
+                adj_path = tmp / f"cpu-{name}.json"
+                mbs_list, tp_list = plan_shapes(plan)
+                adj_cmd = profile_cpu(adj_path, mbs_list, tp_list, ADJ_REPEATS)
+                adj = predict(build(), ProfileDB.load(adj_path))
+                drift = host_drift(profile, adj_path)
             load_before = loadavg()
             meas = run_config(plan_path, plan.world_size, tmp / f"{name}.out.json", args.warmup, args.iters)
             load = f"{load_before} -> {loadavg()}"
-            rows += rows_for(name, desc, pred, meas, load)
+            rows += rows_for(name, desc, pred, meas, load, adj, drift)
             records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
+                            "predicted_without_overheads": bare,
+                            "predicted_adjacent": adj, "adjacent_profile": adj_cmd, "host_drift": drift,
                             "loadavg": load})
             print(rows[-1], flush=True)
-    header = ["| config | what | iteration ms pred / meas (err) | compute ms per pipeline pred / meas (err) "
-              "| tensor MiB per rank pred / meas (err) | loadavg before -> after |",
-              "|---|---|---|---|---|---|"]
+    header = ["| config | what | iteration ms pred / meas (err) [adj.] | compute ms per pipeline pred / meas "
+              "(err) [adj.] | drift | tensor MiB per rank pred / meas (err) | loadavg before -> after |",
+              "|---|---|---|---|---|---|---|"]
     errs_t = [r["predicted"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
     errs_c = [p / m - 1 for r in records for p, m in zip(r["predicted"]["compute_ms"], r["measured"]["compute_ms"])]
     errs_m = [p / m - 1 for r in records
               for p, m in zip(r["predicted"]["memory_bytes"], r["measured"]["memory_bytes"])]
     summary = (f"error range: iteration {min(errs_t):+.1%} .. {max(errs_t):+.1%}, compute per pipeline "
                f"{min(errs_c):+.1%} .. {max(errs_c):+.1%}, memory per rank {min(errs_m):+.1%} .. {max(errs_m):+.1%}"
-               f" (err = predicted / measured - 1)")
+               f" (err = predicted / measured - 1; profile measured at the start)")
+    bare_t = [r["predicted_without_overheads"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
+    bare_c = [p / m - 1 for r in records
+              for p, m in zip(r["predicted_without_overheads"]["compute_ms"], r["measured"]["compute_ms"])]
+    summary += (f"\nwithout the profile's overhead_ms (ops only, as before): iteration {min(bare_t):+.1%} .. "
+                f"{max(bare_t):+.1%}, compute per pipeline {min(bare_c):+.1%} .. {max(bare_c):+.1%}")
+    if not args.no_adjacent:
+        adj_t = [r["predicted_adjacent"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
+        adj_c = [p / m - 1 for r in records
+                 for p, m in zip(r["predicted_adjacent"]["compute_ms"], r["measured"]["compute_ms"])]
+        drifts = [r["host_drift"] for r in records]
+        summary += (f"\nadjacent-profile error range: iteration {min(adj_t):+.1%} .. {max(adj_t):+.1%}, "
+                    f"compute per pipeline {min(adj_c):+.1%} .. {max(adj_c):+.1%}; host drift "
+                    f"{min(drifts):.2f} .. {max(drifts):.2f}")
     text = "\n".join([
         "# Predicted vs measured on this machine (bench/predictor_accuracy.py)", "",
         f"command: `{command}`  ", f"commit: {_commit()}  ",
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, {time.time() - start:.0f} s, "
         f"{os.cpu_count()} CPUs  ", f"profile: `{prof_cmd}`  ",
         f"emulated types: cpu-a emulate_speed {SPEED_A}, cpu-b {SPEED_B}; tiny GPT, fp32, gbs {GBS}, "
-        f"{args.warmup} warm-up + {args.iters} timed iterations (medians)", "",
+        f"{args.warmup} warm-up + {args.iters} timed iterations (medians)  ",
+        "adjacent profiles: " + ("none (--no-adjacent)" if args.no_adjacent else
+                                 f"before every run, the plan's (mbs, tp) only, --repeats {ADJ_REPEATS}"), "",
         *header, *rows, "", summary, "",
         "Predicted: `eth.cost.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
-        "slowest stage's forward + backward x micro-batches, without tp collectives and p2p; "
-        "per rank model states + activations, reserved bytes left out).  Measured: median wall "
+        "slowest stage's forward + backward x micro-batches, without tp collectives and p2p, "
+        "with the profile's measured runtime overheads (per layer, per stage call, and for "
+        "emulated types the wake-up after each emulation sleep); "
+        "per rank model states + activations, reserved bytes left out).  [adj. X: e] is the "
+        "same prediction from a profile of the plan's (mbs, tp) measured right before the run, "
+        "and its error; drift = that profile's op times / the start profile's (> 1: the host "
+        "was slower at the run than at the start).  The raw errors are against the start "
+        "profile, as a planner would use it.  Measured: median wall "
         "time of the timed iterations; the runtime's compute per pipeline (thread CPU time / "
         "emulate_speed, slowest rank); peak tensor bytes (torch.profiler, first 2 iterations).  "
         "Eq. 5 has no optimizer step, loss / norm all-reduces or data loading: they are in the "

@@ -2,6 +2,7 @@
 
     python tools/make_profiles.py                       # profiles/<device>.json, all devices x presets
     python tools/make_profiles.py --devices A100,RTX3090 --models gpt3-13b --seq 4096 -o /tmp/p
+    python tools/make_profiles.py --gemm-efficiency fitted -o /tmp/fitted   # also the unapplied GPU fits
     python tools/make_profiles.py --import-aceso runs/a100/ --device A100 --model gpt3-1.3b \
         --aceso-model gpt_1_3B -o profiles/A100-measured.json
 
@@ -100,6 +101,10 @@ def _main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="sequence length override")
     ap.add_argument("--mbs", type=int_list, default=list(DEFAULT_MBS))
     ap.add_argument("--tp", type=int_list, default=list(DEFAULT_TP))
+    ap.add_argument("--gemm-efficiency", choices=("applied", "fitted"), default="applied",
+                    help="GEMM efficiency curves of the analytic profiles: the applied entries of "
+                         "eth/data/gemm_efficiency.yaml (default), or every fitted one, also those "
+                         "marked applied: false (the GPU fits)")
     ap.add_argument("--import-aceso", metavar="DIR", help="Aceso CSV folder to import")
     ap.add_argument("--device", help="device type of the imported profile")
     ap.add_argument("--model", help="model preset the imported CSVs profile")
@@ -116,6 +121,8 @@ def _main(argv=None) -> int:
     if args.aceso_model and not args.import_aceso:
         raise SpecError("--aceso-model only applies with --import-aceso DIR")
     if args.import_aceso:
+        if args.gemm_efficiency != "applied":
+            raise SpecError("--gemm-efficiency applies to analytic profiles, not to --import-aceso")
         if not args.device or not args.model:
             raise SpecError("--import-aceso needs --device and --model")
         data = import_aceso(args.import_aceso, args.device, get_model(args.model, seq_len=args.seq),
@@ -139,7 +146,9 @@ def _main(argv=None) -> int:
     models = [get_model(n, seq_len=args.seq) for n in _names(args.models, list(PRESETS), "model")]
     _check_entries(models, args.tp)
     # build and validate every file before the first write
-    files = [(out / f"{name}.json", _round(analytic_profile(devices[name], models, args.mbs, args.tp)))
+    fitted = args.gemm_efficiency == "fitted"
+    files = [(out / f"{name}.json",
+              _round(analytic_profile(devices[name], models, args.mbs, args.tp, include_unapplied=fitted)))
              for name in names]
     files = [(path, *_merged(data, path)) for path, data in files]
     for path, data, _ in files:

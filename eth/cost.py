@@ -9,6 +9,9 @@ processes mbs/dp of them on ``tp`` ranks) -- :meth:`CostModel.stage_cost`:
                                                            none when the profile's op times
                                                            include them (tp_comm_included)
          + p2p send of the output activation to the next stage (not last stage)
+         + runtime overheads: layers x layer + stage, + per checkpointed run of k
+           recomputed ops checkpoint + k x checkpoint_op (measured profiles' overhead_ms,
+           forward and backward alike; CPU-emulated types add the "wake" cost)
     Tb_j = sum over ops of bwd(op, mbs/dp, tp)
          + recompute: fwd(op) for every recomputed op and layer
          + TP all-reduces (backward, and re-done forward ones of recomputed ops)
@@ -27,9 +30,13 @@ Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
       activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
         min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
         contiguous run of recomputed ops in a layer frees its saved activations but
-        keeps the input of the run's first op (the checkpoint).  Not counted: the run
-        the backward re-materialises (bench/predictor_accuracy.py measures it: one
-        layer's freed bytes; the planner's recompute search assumes this form)
+        keeps the input of the run's first op (the checkpoint),
+        + the backward's transient bytes of the one micro-batch being backpropagated
+        (:meth:`CostModel._backward_bytes`, :meth:`CostModel._remat_bytes`): the
+        gradients of one op's output, input and weights less the saved activations
+        already freed, and the largest recomputed run re-materialised
+        (bench/predictor_accuracy.py measures them: without them the measured peak of
+        a one-layer stage was 12% and of a fully recomputed one 11% above the model's)
       the optimizer step (activations freed): with ZeRO 1/2 the all-gather of the
         updated weights into a full buffer, params x w bytes
         (:meth:`CostModel._peak_extra`; bench/predictor_accuracy.py measures both)
@@ -54,7 +61,8 @@ ones, which sub-block 0 carries) in the setup's bytes per element (fp32 or bf16
 gradients; ZeRO's reduce-scatter + all-gather), reduced over N = sum over pipelines
 of the dp degree of the stage that holds the block (one participant per replica),
 over the slowest link among its holders.  Iteration time of a plan
-(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te.
+(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te + the stage's
+optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only).
 """
 from __future__ import annotations
 
@@ -215,9 +223,9 @@ class CostModel:
         if shape is None:
             shape = self._cache[skey] = self._stage_shape(device_type, tp, mbs // dp, nl, first, last,
                                                           recompute, links)
-        fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b = shape
+        fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b, transient = shape
         memory = (params * self.setup.state_bytes_per_param(dp)
-                  + self._peak_extra(params, inflight * max(act, 0.0)) + reserved)
+                  + self._peak_extra(params, inflight * max(act, 0.0) + transient) + reserved)
         capacity = self.cluster.types[device_type].memory_bytes
         # StageCost(...) without the frozen dataclass's __init__ (11 object.__setattr__ calls)
         cost = object.__new__(StageCost)
@@ -229,26 +237,26 @@ class CostModel:
 
     def _stage_shape(self, device_type: str, tp: int, micro: int, nl: int, first: bool, last: bool,
                      recompute: dict[str, int], links: tuple[float, float, float]) -> tuple:
-        """(fwd, bwd, recompute, comm ms, params, act bytes, reserved bytes, send fwd / bwd ms) of
-        ``nl`` layers at ``micro`` samples per replica; ``links`` = (tp group, next, previous).
-        The terms that do not depend on ``nl`` and ``recompute`` come from :meth:`_shape_parts`
-        (memoised); the sums run in the same order as if computed here, so the floats are
-        the same."""
+        """(fwd, bwd, recompute, comm ms, params, act bytes, reserved bytes, send fwd / bwd ms,
+        backward transient bytes) of ``nl`` layers at ``micro`` samples per replica;
+        ``links`` = (tp group, next, previous).  The terms that do not depend on ``nl`` and
+        ``recompute`` come from :meth:`_shape_parts` (memoised); the sums run in the same
+        order as if computed here, so the floats are the same."""
         pkey = ("parts", device_type, tp, micro, first, last) + links
         parts = self._cache.get(pkey)
         if parts is None:
             parts = self._cache[pkey] = self._shape_parts(device_type, tp, micro, first, last, links)
-        ops, reserved, dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b = parts
+        ops, reserved, dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh, backward = parts
         fwd = nl * sf
         bwd = nl * sb
         weights = nl * sw
         act = nl * sa
         recompute_ms = sum(ops[op].fwd_ms * n for op, n in recompute.items())
         if recompute:
-            skey = ("saved", device_type, micro, tp, tuple(recompute.items()))
-            saved = self._cache.get(skey)
+            rkey = ("saved", device_type, micro, tp, tuple(recompute.items()))
+            saved = self._cache.get(rkey)
             if saved is None:
-                saved = self._cache[skey] = self._recompute_savings(ops, recompute)
+                saved = self._cache[rkey] = self._recompute_savings(ops, recompute)
             act -= saved
         else:
             act -= 0.0
@@ -257,6 +265,18 @@ class CostModel:
             bwd += b
             weights += w
             act += a
+        # the runtime's cost beyond the ops, per layer and per stage call (measured profiles'
+        # overhead_ms; zeros for analytic and imported ones)
+        fwd += nl * oh[0] + oh[2]
+        bwd += nl * oh[1] + oh[3]
+        if recompute and any(oh[6:10]):   # per checkpoint: a + k x b for a run of k ops
+            ckey = ("runs", device_type, micro, tp, tuple(recompute.items()))
+            counts = self._cache.get(ckey)
+            if counts is None:
+                counts = self._cache[ckey] = self._recompute_run_counts(ops, recompute)
+            runs, run_ops = counts
+            fwd += runs * oh[6] + run_ops * oh[8]
+            bwd += runs * oh[7] + run_ops * oh[9]
 
         comm = 0.0
         if tp_parts is not None:   # tp > 1 and the op times do not hold the TP collectives
@@ -292,7 +312,8 @@ class CostModel:
         fwd += send_f
         bwd += send_b
         comm += send_f + send_b
-        return fwd, bwd, recompute_ms, comm, weights / dtype_bytes, act, reserved, send_f, send_b
+        transient = backward + self._remat_bytes(ops, recompute, nl)
+        return fwd, bwd, recompute_ms, comm, weights / dtype_bytes, act, reserved, send_f, send_b, transient
 
     def _shape_parts(self, device_type: str, tp: int, micro: int, first: bool, last: bool,
                      links: tuple[float, float, float]) -> tuple:
@@ -300,7 +321,8 @@ class CostModel:
         recompute set: (ops, reserved, dtype bytes, per-layer fwd / bwd / weight / act sums,
         the boundary ops' (fwd, bwd, weight, act), the TP all-reduces' (per layer?, fwd sum,
         bwd sum) per part or None, the all-gathers' per-layer (fwd, bwd) sums or None,
-        send fwd / bwd ms)."""
+        send fwd / bwd ms, the profile's overheads, the backward's transient bytes
+        :meth:`_backward_bytes`)."""
         prof = self.profiles.get(device_type)
         scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
         ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
@@ -334,7 +356,19 @@ class CostModel:
         if not first:
             link = links[2]
             send_b = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
-        return ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b
+        oh = self.profiles.overheads(device_type, self.model, micro, tp)
+        return (ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh,
+                self._backward_bytes(ops, last))
+
+    def optimizer_ms(self, mbs: int, stage) -> float:
+        """The step after the backward on one rank of ``stage`` (measured profiles'
+        overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it;
+        0 without the field), added to the stage's Eq. 5 end time."""
+        if not self.profiles.get(stage.device_type).has_overheads:
+            return 0.0
+        oh = self.profiles.overheads(stage.device_type, self.model, mbs // stage.dp, stage.tp)
+        ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
+        return ms / stage.dp if self.setup.zero_stage > 0 else ms
 
     def _peak_extra(self, params: float, activations: float) -> float:
         """Bytes above the model states at the device's peak: the activation peak, or the
@@ -343,6 +377,19 @@ class CostModel:
         freed the activations."""
         gather = params * self.setup.weight_bytes if self.setup.zero_stage > 0 else 0.0
         return max(activations, gather)
+
+    @staticmethod
+    def _recompute_run_counts(ops, recompute: dict[str, int]) -> tuple[int, int]:
+        """(checkpointed runs, ops in them) summed over the stage's layers (the runtime
+        runs each run of recomputed ops under one checkpoint)."""
+        order = tuple(op for op in ops if op in _LAYER_OP_SET)
+        runs = run_ops = prev = 0
+        for n in sorted(set(recompute.values())):
+            here = recompute_runs({op for op, k in recompute.items() if k >= n}, order)
+            runs += (n - prev) * len(here)
+            run_ops += (n - prev) * sum(len(r) for r in here)
+            prev = n
+        return runs, run_ops
 
     @staticmethod
     def _recompute_savings(ops, recompute: dict[str, int]) -> float:
@@ -364,15 +411,65 @@ class CostModel:
         return saved
 
     @staticmethod
-    def _layer_savings(ops, recomputed, order=None) -> float:
+    def _layer_savings(ops, recomputed, order) -> float:
         """Activation bytes one layer frees when it recomputes the ops ``recomputed``
         (:meth:`_recompute_savings` per layer; ``order``: the layer ops of ``ops`` in order)."""
-        if order is None:
-            order = tuple(op for op in ops if op in _LAYER_OP_SET)
         per_layer = 0.0
         for run in recompute_runs(recomputed, order):
             per_layer += max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0)
         return per_layer
+
+    def _backward_bytes(self, ops, last: bool) -> float:
+        """Transient bytes of the backward of one micro-batch above its saved activations.
+
+        While an op's backward runs, the gradient of its output, the gradient of its
+        input it produces and the gradient of its weights (before the accumulation hook
+        adds it to the gradient buffer) are alive: input + output + weight bytes.  The
+        saved activations of the ops backpropagated before it are freed by then, so the
+        op adds max(input + output + weight - freed, 0); the largest of these is reached
+        in the first layer backpropagated (later layers have freed more), so the scan
+        covers the head ops (last stage) and one layer, in backward order.  Activation
+        memory analyses (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+        Large Transformer Models") count the saved activations only, at their peak when
+        all in-flight micro-batches are held; this term is what that count leaves out.
+        The head's logits gradient (vocab-sized) needs no room of its own: megatron-core's
+        vocab-parallel cross entropy makes it in place in its saved softmax."""
+        order = (post_ops(self.model)[::-1] if last else ()) + layer_ops(self.model)[::-1]
+        peak, freed = 0.0, 0.0
+        for op in order:
+            c = ops[op]
+            peak = max(peak, c.input_bytes + c.output_bytes + c.weight_bytes - freed)
+            freed += c.act_bytes
+        return peak
+
+    @staticmethod
+    def _remat_bytes(ops, recompute: dict[str, int], nl: int) -> float:
+        """Bytes a recomputed run holds again in the backward of one micro-batch, above
+        the stage's activation peak: each run is one checkpoint that the backward re-runs
+        when it reaches it (``torch.utils.checkpoint``, as Megatron's activation
+        recomputation), one layer at a time, holding the run's saved activations less
+        its input (what :meth:`_recompute_savings` counts as freed) until the run's
+        backward is done.  Layer l of the ``nl`` is reached after layers l+1.. of the
+        micro-batch have freed their saved activations (after recompute), so it adds
+        max(its largest run - those, 0); the largest over the layers.  Layers l < n
+        recompute {op: count >= n} (the deepest of each count level is the one reached
+        first).  The head ops' activations are not counted as freed: their gradients
+        are still alive when the last layer's backward starts."""
+        levels = sorted({n for n in recompute.values() if n > 0}, reverse=True)
+        if not levels:
+            return 0.0
+        order = tuple(op for op in ops if op in _LAYER_OP_SET)
+        full = sum(ops[op].act_bytes for op in order)
+        # saved activations of the layers behind the deepest layer of each level
+        behind = (nl - levels[0]) * full if levels[0] < nl else 0.0
+        most, upper, saved = 0.0, levels[0], 0.0
+        for n in levels:
+            behind += (upper - n) * (full - saved)   # layers [n, upper) recompute the level above's
+            runs = recompute_runs({op for op, k in recompute.items() if k >= n}, order)
+            freed = [max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0) for run in runs]
+            most = max(most, max(freed, default=0.0) - behind)
+            upper, saved = n, sum(freed)
+        return most
 
     def _measured(self, prof, device_type, link):
         """The profile, whose measured collective tables (taken inside one node) apply only
@@ -424,6 +521,7 @@ class CostModel:
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
             ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
+            ends = [e + self.optimizer_ms(p.mbs, s) for e, s in zip(ends, p.stages)]
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):

@@ -13,6 +13,11 @@ One JSON file per device type (``profiles/<device>.json``), version 1::
      "collectives": {"all_reduce": {"2": [[bytes, ms], ...]}, "p2p": {...}},   # optional
      "tp_comm_included": false}                                                   # optional
 
+An entry may carry ``overhead_ms`` (measured profiles: what the runtime costs beyond the
+ops, per layer, per stage call, per checkpointed run, after an emulation sleep, and the
+optimizer step; :data:`OVERHEAD_KEYS`, :meth:`DeviceProfile.overheads`, docs/FORMATS.md);
+absent means zeros.
+
 A model entry may carry its own "source" (analytic entries that ``ProfileDB.ensure``
 or ``analytic_profile(base=...)`` add to a measured file say "analytic").
 
@@ -135,6 +140,8 @@ class DeviceProfile:
         _check_collectives(data.get("collectives"), where)
         file_tp_comm = _tp_comm_flag(data, where, False)
         self._tp_comm: dict[tuple, bool] = {}
+        # (shape, tp) -> [(mbs, (layer fwd, layer bwd, stage fwd, stage bwd, wake fwd, wake bwd))]
+        self._overheads: dict[tuple, list] = {}
         # shape -> {tp: sorted [(mbs, {op: OpCost}, reserved)]}
         self._table: dict[tuple, dict[int, list]] = {}
         self._names: dict[tuple, str] = {}
@@ -172,12 +179,15 @@ class DeviceProfile:
                         raise ProfileError(f"{ew}.ops[{op!r}] has a negative or non-numeric value: {values}")
                     ops[op] = OpCost(*map(float, values))
                 by_tp.setdefault(tp, []).append((mbs, ops, float(reserved)))
+                self._overheads.setdefault((shape, tp), []).append((mbs, _overhead_row(e, ew)))
             for tp, rows in by_tp.items():
                 rows.sort(key=lambda r: r[0])
                 mbs_list = [r[0] for r in rows]
                 if len(set(mbs_list)) != len(mbs_list):
                     raise ProfileError(f"{mw} lists mbs {mbs_list} twice for tp {tp}")
         self._cache: dict = {}
+        self.has_overheads = any(any(row) for rows in self._overheads.values() for _, row in rows)
+        """Whether any entry has a non-zero ``overhead_ms`` (the cost model skips them if not)."""
 
     def tp_comm_included(self, model: ModelSpec) -> bool:
         """True when ``model``'s op times already contain the tp all-reduces."""
@@ -208,9 +218,57 @@ class DeviceProfile:
         self._cache[key] = result
         return result
 
+    def overheads(self, model: ModelSpec, mbs: float, tp: int) -> tuple:
+        """(fwd, bwd) ms pairs of :data:`OVERHEAD_KEYS`, flat (layer fwd, layer bwd, stage
+        fwd, ...), of the entry field ``overhead_ms`` at ``mbs`` (linear between profiled sizes, the nearest one
+        outside them); zeros when the profile has none (analytic and imported profiles)."""
+        key = ("overheads", shape_key(model), mbs, tp)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        rows = sorted(self._overheads.get(key[1:2] + (tp,), []), key=lambda r: r[0])
+        if not rows:
+            result = (0.0,) * len(OVERHEAD_KEYS) * 2
+        else:
+            sizes = [r[0] for r in rows]
+            i = bisect.bisect_left(sizes, mbs)
+            if i < len(rows) and sizes[i] == mbs or i == len(rows) or i == 0:
+                result = rows[min(i, len(rows) - 1)][1]
+            else:
+                (m0, a), (m1, b) = rows[i - 1], rows[i]
+                w = (mbs - m0) / (m1 - m0)
+                result = tuple(x + w * (y - x) for x, y in zip(a, b))
+        self._cache[key] = result
+        return result
+
     def collective_table(self, kind: str, n: int):
         table = (self.data.get("collectives") or {}).get(kind, {}).get(str(n))
         return sorted(table) if table else None
+
+
+OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer")
+"""Keys of a profile entry's optional ``overhead_ms`` object, each [fwd_ms, bwd_ms] per
+micro-batch (``megatron.hpp.profiler.stage_overheads``), except "optimizer": [ms per
+layer, ms per stage] of the step after the backward (docs/FORMATS.md)."""
+
+
+def _overhead_row(entry: dict, where: str) -> tuple:
+    """The entry's ``overhead_ms`` as a flat tuple in :data:`OVERHEAD_KEYS` order (missing
+    keys or field: 0).  Values may be negative: a layer through the runtime can run faster
+    than its ops timed one by one."""
+    value = entry.get("overhead_ms")
+    if value is None:
+        return (0.0,) * len(OVERHEAD_KEYS) * 2
+    if not isinstance(value, dict) or set(value) - set(OVERHEAD_KEYS):
+        raise ProfileError(f"{where}.overhead_ms must be an object with keys {list(OVERHEAD_KEYS)}, "
+                           f"got {value!r}")
+    row = []
+    for key in OVERHEAD_KEYS:
+        pair = value.get(key, [0.0, 0.0])
+        if not (isinstance(pair, list) and len(pair) == 2 and all(is_number(v) for v in pair)):
+            raise ProfileError(f"{where}.overhead_ms.{key} must be [fwd_ms, bwd_ms], got {pair!r}")
+        row += [float(v) for v in pair]
+    return tuple(row)
 
 
 def _tp_comm_flag(obj: dict, where: str, default: bool) -> bool:
@@ -289,6 +347,9 @@ class ProfileDB:
     def layer_costs(self, device: str, model: ModelSpec, mbs: float, tp: int):
         return self.get(device).layer_costs(model, mbs, tp)
 
+    def overheads(self, device: str, model: ModelSpec, mbs: float, tp: int) -> tuple:
+        return self.get(device).overheads(model, mbs, tp)
+
     @classmethod
     def load(cls, path) -> "ProfileDB":
         """Load one JSON file or every ``*.json`` in a folder."""
@@ -332,14 +393,28 @@ def emulated_profile(base: dict, model: ModelSpec, name: str, speed: float) -> d
     """The profile of CPU-emulated device type ``name``: ``base`` (the ``cpu`` profile, one
     process on one core) restricted to ``model``'s shape, every op time divided by
     ``speed`` (what ``megatron.hpp.schedule.ComputeClock`` does to that type's compute);
-    sizes, reserved bytes and collective tables (same machine) unchanged."""
+    sizes, reserved bytes and collective tables (same machine) unchanged.  Overheads
+    (``overhead_ms``) are divided by ``speed`` too, and the "wake" cost (an emulated rank
+    idles after every compute call, and the next call then costs more CPU time) is moved
+    into the stage overhead: every call of an emulated type pays it."""
     key = shape_key(model)
     models = []
     for m in base["models"]:
         if entry_shape(m["shape"]) != key:
             continue
-        entries = [dict(e, ops={op: [v[0] / speed, v[1] / speed, *v[2:]] for op, v in e["ops"].items()})
-                   for e in m["entries"]]
+        entries = []
+        for e in m["entries"]:
+            entry = dict(e, ops={op: [v[0] / speed, v[1] / speed, *v[2:]] for op, v in e["ops"].items()})
+            if "overhead_ms" in e:
+                oh = _overhead_row(e, "overhead_ms")
+                entry["overhead_ms"] = {"layer": [oh[0] / speed, oh[1] / speed],
+                                        "stage": [(oh[2] + oh[4]) / speed, (oh[3] + oh[5]) / speed],
+                                        "wake": [0.0, 0.0],
+                                        "checkpoint": [oh[6] / speed, oh[7] / speed],
+                                        "checkpoint_op": [oh[8] / speed, oh[9] / speed],
+                                        # the runtime does not stretch the optimizer step
+                                        "optimizer": [oh[10], oh[11]]}
+            entries.append(entry)
         models.append(dict(m, entries=entries))
     data = dict(base, device=name, models=models)
     data["provenance"] = dict(base.get("provenance") or {},
@@ -357,14 +432,16 @@ def save_profile(data: dict, path) -> None:
     atomic_write_text(path, json.dumps(data, indent=None, separators=(",", ":")) + "\n")
 
 
-def analytic_op_costs(device: DeviceType, model: ModelSpec, mbs: int, tp: int) -> dict[str, list]:
+def analytic_op_costs(device: DeviceType, model: ModelSpec, mbs: int, tp: int,
+                      include_unapplied: bool = False) -> dict[str, list]:
     """Roofline op costs (see module docstring) as profile rows.  GEMM ops run at the
     device type's size-dependent efficiency (``eth.gemm_efficiency``: eff(m, n, k) of the
     op's GEMM dimensions, the same for the backward's two GEMMs; a GEMM op without known
-    dimensions, e.g. fused attention, at the curve's peak_eff)."""
+    dimensions, e.g. fused attention, at the curve's peak_eff; ``include_unapplied``: also
+    a fitted curve marked ``applied: false``)."""
     from eth.gemm_efficiency import efficiency_for, gemm_dims
 
-    curve = efficiency_for(device.name)
+    curve = efficiency_for(device.name, include_unapplied)
     dims = gemm_dims(model, mbs, tp)
     peak = device.tflops * 1e12 / 1e3                          # flop per ms at 100 %
     bw = device.mem_bw_gbs * 1e9 * MEMORY_EFFICIENCY / 1e3     # bytes per ms
@@ -388,25 +465,28 @@ def _curve_record(curve) -> dict:
 
 
 def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
-                     base: dict | None = None) -> dict:
-    """A profile JSON dict for ``device`` (merged into ``base`` if given)."""
+                     base: dict | None = None, include_unapplied: bool = False) -> dict:
+    """A profile JSON dict for ``device`` (merged into ``base`` if given; GEMM curve as
+    :func:`analytic_op_costs`)."""
     from eth.gemm_efficiency import GemmEfficiency, efficiency_for
 
+    curve = efficiency_for(device.name, include_unapplied)
     data = dict(base) if base else {
         "version": PROFILE_VERSION, "device": device.name, "source": "analytic",
         "provenance": {
             "generator": "eth.profiles.analytic_profile (roofline)",
             "datasheet": {"tflops": device.tflops, "memory_gb": device.memory_gb,
                           "mem_bw_gbs": device.mem_bw_gbs, "source": device.source},
-            "gemm_efficiency": GEMM_EFFICIENCY if efficiency_for(device.name) == GemmEfficiency() else
-                               _curve_record(efficiency_for(device.name)),
+            "gemm_efficiency": GEMM_EFFICIENCY if curve == GemmEfficiency() else _curve_record(curve),
             "memory_efficiency": MEMORY_EFFICIENCY,
             "kernel_overhead_ms": KERNEL_OVERHEAD_MS, "reserved_bytes": RESERVED_BYTES},
         "op_fields": list(OP_FIELDS), "tp_comm_included": False, "models": []}
+    if not base and curve != efficiency_for(device.name):
+        data["provenance"]["gemm_efficiency"]["applied"] = False   # opted in (include_unapplied)
     data["models"] = list(data["models"])
     for model in models:
         entries = [{"mbs": m, "tp": t, "reserved_bytes": RESERVED_BYTES,
-                    "ops": analytic_op_costs(device, model, m, t)}
+                    "ops": analytic_op_costs(device, model, m, t, include_unapplied)}
                    for t in tp if model.splits(t) for m in mbs]
         data["models"].append({"name": model.name, "source": "analytic", "tp_comm_included": False,
                                "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},

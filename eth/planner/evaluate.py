@@ -20,8 +20,11 @@ stage is not searched but derived (:meth:`Evaluator.fit_stage`, paper section 6)
 the stage does not fit in device memory, ops are recomputed in order of saved
 activation bytes per recompute millisecond (high-memory, low-cost first), each in all
 of the stage's layers, until the stage fits; the last op's layer count is then reduced
-to the smallest number that still fits (binary search).  A stage that does not fit
-even with every op recomputed carries its overflow (bytes over capacity) as a penalty;
+to the smallest number that still fits (binary search).  An op whose recompute makes
+the stage's memory grow is skipped: the backward holds a recomputed run again
+(``CostModel._remat_bytes``), so an op that joins runs into a longer one can cost more
+than it frees.  A stage that does not fit carries its overflow (bytes over capacity,
+with the op set found or every op recomputed, whichever holds less) as a penalty;
 configurations compare by (overflow, Eq. 1 time).
 """
 from __future__ import annotations
@@ -219,8 +222,9 @@ class Evaluator:
         c = cost(None)
         result = (c, (), 0.0)
         if not c.fits:
-            # memory = fixed + inflight * max(act - saved(recompute), 0); search the
-            # recompute set on that formula, then cost the chosen set once.
+            # memory = fixed + inflight * max(act - saved(recompute), 0) + remat(recompute)
+            # (CostModel._remat_bytes: a recomputed run held again in the backward);
+            # search the recompute set on that formula, then cost the chosen set once.
             okey = ("ops", st.device_type, mbs // st.dp, st.tp)
             ops = self._order.get(okey)
             if ops is None:
@@ -230,41 +234,56 @@ class Evaluator:
             room = c.capacity_bytes - fixed
 
             nl = layers[1] - layers[0]
-            order = self.recompute_order(st.device_type, mbs // st.dp, st.tp)
-            # per-layer savings of the order's first k ops, k = 0..len(order): the order's
-            # first k ops in all nl layers and op k in m of them save
-            # m * per[k + 1] + (nl - m) * per[k] (CostModel._recompute_savings's sum)
-            pkey = ("per", st.device_type, mbs // st.dp, st.tp)
-            per = self._order.get(pkey)
-            if per is None:
-                per = self._order[pkey] = [self.cost._layer_savings(ops, set(order[:k]))
-                                           for k in range(len(order) + 1)]
-            act, held = c.act_bytes, c.inflight
+            skey = (st.device_type, mbs // st.dp, st.tp, nl)
 
-            def fits(k, m):
-                saved = m * per[k + 1]
-                if k and m < nl:
-                    saved += (nl - m) * per[k]
-                return held * max(act - saved, 0.0) <= room
+            def held(rec, sk):
+                # bytes above ``fixed``; rec = the order's first k ops but the skipped
+                # ones in all nl layers and op (the k-th) in rec[op] layers, so they
+                # depend on (shape, skipped, k, rec[op]) only: ``sk``
+                saved = self._saved.get(sk)
+                if saved is None:
+                    saved = self._saved[sk] = (self.cost._recompute_savings(ops, rec),
+                                               self.cost._remat_bytes(ops, rec, nl))
+                return c.inflight * max(c.act_bytes - saved[0], 0.0) + saved[1]
 
             chosen: dict[str, int] = {}
-            found = False
+            found, skipped, best = False, 0, c.inflight * c.act_bytes
+            order = self.recompute_order(st.device_type, mbs // st.dp, st.tp)
             if room >= 0:
                 for k, op in enumerate(order):
                     chosen[op] = nl
-                    if fits(k, nl):
+                    now = held(chosen, skey + (skipped, k, nl))
+                    if now <= room:
                         lo, hi = 0, nl
                         while hi - lo > 1:
                             mid = (lo + hi) // 2
-                            if fits(k, mid):
+                            chosen[op] = mid
+                            if held(chosen, skey + (skipped, k, mid)) <= room:
                                 hi = mid
                             else:
                                 lo = mid
                         chosen[op] = hi
                         found = True
                         break
-            if not found:
-                chosen = {op: nl for op in self.recompute_order(st.device_type, mbs // st.dp, st.tp)}
+                    if now > best:   # joined runs the backward holds again: worse, skip op
+                        del chosen[op]
+                        skipped |= 1 << k
+                    else:
+                        best = now
+            if not found:   # every op, or the set found if it holds less; then drop the
+                # ops whose recompute joins runs into longer ones than it frees, last first
+                every = {op: nl for op in order}
+                now = held(every, skey + ("every",))
+                if chosen and best <= now:
+                    now = best
+                else:
+                    chosen = every
+                for op in reversed(order):
+                    if op in chosen and now > room:
+                        trial = {o: n for o, n in chosen.items() if o != op}
+                        less = held(trial, skey + (tuple(trial),))
+                        if less < now:
+                            chosen, now = trial, less
             c = cost(chosen)
             result = (c, tuple(sorted(chosen.items())), max(c.memory_bytes - c.capacity_bytes, 0.0))
         self._fit[key] = result

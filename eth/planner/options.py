@@ -63,6 +63,16 @@ class SearchOptions:
     space, and return the fastest plan by Eq. 5 (plan.search["seed_won"] names a winning
     seed).  The enumeration restricts stage sizes and layouts, so the search itself does
     not always reach those plans."""
+    recompute_runs: bool = True
+    """A stage that needs recompute is fitted three ways -- the op order below, the
+    attention core as one run and whole layers, each in the fewest layers that fit -- and
+    the fastest is kept (:class:`eth.planner.recompute_runs.RunEvaluator`); off = the op
+    order only."""
+    symmetric: bool = True
+    """After the enumeration, also evaluate the symmetric device groups -- k identical
+    pipelines of count_t / k devices of each type, for every k > 1 dividing every type's
+    device count -- that the block enumeration or DP did not reach
+    (:mod:`eth.planner.symmetric`; plan.search["symmetric"])."""
     polish_top: int = 8
     """At the end, the allocation of this many best device groups is re-solved exactly with
     each pipeline's Mbs free among its halvings/doublings (0 = off)."""

@@ -56,6 +56,8 @@ from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import Candidate, finer_microbatches, polish, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
+from eth.planner.recompute_runs import RunEvaluator
+from eth.planner.symmetric import symmetric_phase
 from eth.profiles import ProfileDB
 
 
@@ -94,7 +96,7 @@ class HPPSearch:
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions):
         self.model, self.cluster, self.opt = model, cluster, options
         self.cost = CostModel(model, cluster, profiles, options.setup)
-        self.ev = Evaluator(self.cost, options.memo)
+        self.ev = (RunEvaluator if options.recompute_runs else Evaluator)(self.cost, options.memo)
         self._layouts: dict = {}
         self._ar: dict = {}
         self._allocs: dict = {}     # memo of _allocate_group (with ``memo``)
@@ -365,6 +367,10 @@ class HPPSearch:
                 self.stats.groups_not_visited += n - visited
                 if dp_now:
                     break
+            symmetric = {}
+            if opt.symmetric and not self._out_of_time():
+                with self.phases("symmetric", sticky=True):
+                    symmetric = symmetric_phase(self)
             for cand in list(self._top):
                 if self._out_of_time():
                     break
@@ -400,6 +406,8 @@ class HPPSearch:
             "time_limited": self.stats.time_limited,
             "phase_s": self.phases.rounded(),
         }
+        if opt.symmetric:
+            plan.search["symmetric"] = symmetric
         return plan.validate()
 
     def _mark_dp(self, p: int) -> None:

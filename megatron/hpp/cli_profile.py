@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                               "(default 1 KiB .. 64 MiB, x4 steps)")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write (merged if present)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-overheads", action="store_true",
+                   help="time the ops only: no runtime stages (1-2 layers, recomputed ones, an optimizer "
+                        "step; they hold memory) and no overhead_ms in the entries")
     p.add_argument("--force", action="store_true",
                    help="file CPU timings under a GPU/NPU --device-type all the same")
     return p.parse_args(argv)
@@ -70,7 +73,7 @@ def _main(argv=None) -> int:
 
     cfg = profiler.ProfileConfig(model, args.device_type, mbs, tp,
                                  args.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
-                                 args.repeats, args.warmup, args.seed)
+                                 args.repeats, args.warmup, args.seed, overheads=not args.no_overheads)
     device = profiler.local_device()
     warning = profiler.device_type_warning(cfg.device_type, device)
     if warning and device.type == "cpu" and _is_accelerator(cfg.device_type) and not args.force:

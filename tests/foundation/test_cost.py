@@ -9,6 +9,7 @@ import pytest
 
 from _foundation_data import RESERVED
 from eth.cost import CostModel, eq1_pipeline_ms, eq5_end_times, eq6_allreduce_ms, recompute_runs
+from eth.model import LAYER_OPS
 from eth.precision import TrainSetup
 from eth.profiles import COLLECTIVE_ALPHA_MS
 
@@ -24,8 +25,9 @@ def test_first_stage_time_and_memory(tiny, cpu_cluster, flat_db):
     assert c.params == 2 * 872 + (16 * 8 + 4 * 8)                  # + word and position embedding
     act = 2 * 1152 + 4 * 8                                         # + token ids (int64)
     assert c.act_bytes == act and c.inflight == 2
-    # default setup: bf16 weights 2 + fp32 gradients 4 + fp32 main weights and Adam 12
-    assert c.memory_bytes == pytest.approx(c.params * 18 + 2 * act + RESERVED)
+    # default setup: bf16 weights 2 + fp32 gradients 4 + fp32 main weights and Adam 12;
+    # + the backward's transient (test_backward_transient_is_one_ops_gradients_less_freed): 848
+    assert c.memory_bytes == pytest.approx(c.params * 18 + 2 * act + 848 + RESERVED)
     assert c.fits and c.capacity_bytes == 4e9
 
 
@@ -40,12 +42,13 @@ def test_last_stage_dp2_and_inflight_capped_by_microbatches(tiny, cpu_cluster, f
     assert c.params == 2 * 872 + 16 + 16 * 8
     # ZeRO 1 in the stage search: optimizer state over N >= dp = 2 holders: 4 + 4 + 12 / 2;
     # the larger of the activations and the optimizer step's all-gather of the fp32 weights
-    # (4 bytes per parameter, here larger: 1 in-flight micro-batch of this tiny stage)
-    assert c.params * 4 > c.act_bytes
+    # (4 bytes per parameter, here larger than 1 in-flight micro-batch of this tiny stage
+    # + the backward's transient: head+loss's input 128 + output 32 + weights 256 = 416)
+    assert c.params * 4 > c.act_bytes + 416
     assert c.memory_bytes == pytest.approx(c.params * 14 + c.params * 4 + RESERVED)
     zero0 = CostModel(tiny, cpu_cluster, flat_db, TrainSetup("fp32", zero_stage=0)).stage_cost(
         "cpu", tp=1, dp=2, layers=(2, 4), mbs=4, stage_index=1, num_stages=2, num_microbatches=1)
-    assert zero0.memory_bytes == pytest.approx(c.params * 20 + c.act_bytes + RESERVED)   # no gather
+    assert zero0.memory_bytes == pytest.approx(c.params * 20 + c.act_bytes + 416 + RESERVED)   # no gather
 
 
 def test_recompute_frees_runs_but_keeps_their_input(tiny, cpu_cluster, flat_db):
@@ -59,6 +62,53 @@ def test_recompute_frees_runs_but_keeps_their_input(tiny, cpu_cluster, flat_db):
     assert base.act_bytes - c.act_bytes == 2 * 64
     assert c.recompute_ms == 9.0 and c.bwd_ms == pytest.approx(base.bwd_ms + 9.0)
     assert recompute_runs({"softmax", "score", "gelu"}) == [["score", "softmax"], ["gelu"]]
+
+
+def _transient(c, cm):
+    """Memory of a ZeRO-0 stage above its model states, in-flight activations and reserve."""
+    return c.memory_bytes - c.params * cm.setup.state_bytes_per_param(1) - c.inflight * c.act_bytes - RESERVED
+
+
+def test_backward_transient_is_one_ops_gradients_less_freed(tiny, cpu_cluster, flat_db):
+    """Per op (mbs 1, TINY) input + output + weight bytes, less the saved activations of
+    the ops backpropagated before it, scanned in backward order; counted once, whatever
+    the in-flight micro-batches."""
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    middle = cm.stage_cost("cpu", 1, 1, (1, 3), 1, stage_index=1, num_stages=3, num_microbatches=4)
+    # post-mlp-dropout 128 + 64 + 0 = 192 (nothing freed yet); mlp-gemm-2 256 + 64 + 528
+    # = 848 (freed 0); gelu 512 - 256 freed = 256; mlp-gemm-1 896 - 512 = 384; the rest less
+    assert middle.inflight == 2 and _transient(middle, cm) == 848
+    last = cm.stage_cost("cpu", 1, 1, (3, 4), 1, stage_index=2, num_stages=3, num_microbatches=4)
+    # head+loss 64 + 16 + 256 = 336 (freed 0, then its 320); final-layernorm 160 - 320 < 0
+    # (then 416 freed); post-mlp-dropout 192 - 416 < 0; mlp-gemm-2 848 - 416 = 432; gelu
+    # 512 - 672 < 0; mlp-gemm-1 896 - 928 < 0
+    assert last.inflight == 1 and _transient(last, cm) == 432
+
+
+def test_recomputed_run_is_held_again_in_the_backward(tiny, cpu_cluster, flat_db):
+    """The largest recomputed run's freed bytes come back once (one layer, one
+    micro-batch at a time), on top of the backward transient of 848."""
+    cm = CostModel(tiny, cpu_cluster, flat_db)
+    kw = dict(stage_index=0, num_stages=2, num_microbatches=4)   # 2 in flight
+    attn = cm.stage_cost("cpu", 1, 1, (1, 3), 1, {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 2,
+                                                  "gelu": 1}, **kw)
+    # score..context frees 128 + 64 + 0 + 64 - 192 = 64 (largest), gelu 256 - 256 = 0
+    assert _transient(attn, cm) == 848 + 64
+    full = cm.stage_cost("cpu", 1, 1, (1, 3), 1, {op: 2 for op in LAYER_OPS}, **kw)
+    # the whole layer is one run: 1152 - the layer input 64 = 1088, held once, not per micro-batch
+    assert full.act_bytes == 2 * 64 and _transient(full, cm) == 848 + 1088
+    assert full.memory_bytes - cm.stage_cost("cpu", 1, 1, (1, 3), 1, **kw).memory_bytes == 1088 - 2 * 2 * 1088
+    # recomputed in the first layer only: the backward reaches it after the second layer
+    # freed its 1152 bytes, more than the 1088 it holds again
+    one = cm.stage_cost("cpu", 1, 1, (1, 3), 1, {op: 1 for op in LAYER_OPS}, **kw)
+    assert one.act_bytes == 1152 + 64 and _transient(one, cm) == 848
+    assert CostModel._remat_bytes(cm.profiles.layer_costs("cpu", tiny, 1, 1)[0], {op: 1 for op in LAYER_OPS},
+                                  2) == 0
+    # three layers, gelu..mlp-gemm-2 recomputed in all, the whole layer in the first: the
+    # whole layer is reached after two layers of 1152 - (256 + 256 - 256) = 896 each
+    ops = cm.profiles.layer_costs("cpu", tiny, 1, 1)[0]
+    mixed = {op: 1 for op in LAYER_OPS} | {"gelu": 3, "mlp-gemm-2": 3}
+    assert CostModel._remat_bytes(ops, mixed, 3) == 256
 
 
 def test_tp_adds_collectives(tiny, cpu_cluster, flat_db):

@@ -81,17 +81,48 @@ def test_validation_names_the_field(mutate, message, tmp_path):
 
 
 def test_analytic_roofline_numbers():
-    a100 = catalog()["A100"]
-    data = analytic_profile(a100, [TINY], mbs=(1,), tp=(1,))
+    b2 = catalog()["910B2"]      # a type without a fitted GEMM curve (eth/data/gemm_efficiency.yaml)
+    data = analytic_profile(b2, [TINY], mbs=(1,), tp=(1,))
     assert data["source"] == "analytic" and data["provenance"]["gemm_efficiency"] == GEMM_EFFICIENCY
     prof = DeviceProfile(data)
     ops, _ = prof.layer_costs(TINY, 1, 1)
     shapes = op_shapes(TINY, 1, 1)
-    gemm = shapes["qkv"].flops_fwd / (312e12 * GEMM_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
-    mem = shapes["softmax"].traffic_bytes / (2039e9 * MEMORY_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
+    gemm = shapes["qkv"].flops_fwd / (376e12 * GEMM_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
+    mem = shapes["softmax"].traffic_bytes / (1600e9 * MEMORY_EFFICIENCY) * 1e3 + KERNEL_OVERHEAD_MS
     assert ops["qkv"].fwd_ms == pytest.approx(gemm)
     assert ops["softmax"].fwd_ms == pytest.approx(mem)
     assert ops["softmax"].bwd_ms == pytest.approx(2 * (mem - KERNEL_OVERHEAD_MS) + KERNEL_OVERHEAD_MS)
+
+
+def test_make_profiles_gemm_efficiency_fitted_opts_into_the_unapplied_curves(tmp_path, capsys):
+    from eth.cli_profiles import main
+    from eth.gemm_efficiency import GemmEfficiency, efficiency_for, gemm_dims
+
+    a100, tiny = catalog()["A100"], get_model("tiny")
+    fitted = efficiency_for("A100", include_unapplied=True)
+    assert fitted.d0 > 0                                  # A100 has a fitted entry (eth/data/gemm_efficiency.yaml)
+    for mode in ("applied", "fitted"):
+        assert main(["--devices", "A100", "--models", "tiny", "--mbs", "2", "--tp", "1",
+                     "--gemm-efficiency", mode, "-o", str(tmp_path / mode)]) == 0
+    capsys.readouterr()
+    default = json.loads((tmp_path / "applied/A100.json").read_text())
+    opted = json.loads((tmp_path / "fitted/A100.json").read_text())
+    flops = op_shapes(tiny, 2, 1)["qkv"].flops_fwd
+    qkv = opted["models"][0]["entries"][0]["ops"]["qkv"][0]
+    assert qkv == pytest.approx(fitted.ms(gemm_dims(tiny, 2, 1)["qkv"], flops, a100.tflops), abs=1e-6)
+    record = opted["provenance"]["gemm_efficiency"]
+    assert (record["peak_eff"], record["d0"], record["overhead_ms"]) == (fitted.peak_eff, fitted.d0, fitted.overhead_ms)
+    assert record.get("applied", True) == (efficiency_for("A100") == fitted)
+    # the default: the applied curve only (the constant 60 % while the GPU entry says applied: false)
+    if efficiency_for("A100") == GemmEfficiency():
+        assert default["provenance"]["gemm_efficiency"] == GEMM_EFFICIENCY
+        assert default["models"][0]["entries"][0]["ops"]["qkv"][0] == pytest.approx(
+            flops / (a100.tflops * 1e9 * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_MS, abs=1e-6)
+    else:
+        assert default == opted
+    assert main(["--import-aceso", str(tmp_path), "--device", "A100", "--model", "tiny",
+                 "--gemm-efficiency", "fitted", "-o", str(tmp_path / "x.json")]) == 2
+    assert "--gemm-efficiency applies to analytic profiles" in capsys.readouterr().err
 
 
 def test_shipped_profiles_cover_every_catalog_device_and_preset():
@@ -149,3 +180,96 @@ def test_emulated_cpu_types_scale_the_cpu_profile():
     assert prof.source == "test" and prof.dtype_bytes == 4 and "0.25" in prof.data["provenance"]["derived_from"]
     # a model the cpu profile lacks: the emulated type falls back to analytic entries
     assert db.ensure(get_model("small"), [replace(cpu, name="cpu-b", emulate_speed=0.5)]) == ["cpu-b"]
+
+
+def _with_overheads(mbs=(1, 2)):
+    """flat_profile with overhead_ms: layer [0.1, 0.2] x mbs, stage [1, 2], wake [0.5, 0.25],
+    checkpoint [0.03, 0.07], checkpoint_op [0.001, 0.002], optimizer [0.5, 1.5]."""
+    data = flat_profile(mbs=mbs)
+    for e in data["models"][0]["entries"]:
+        m = e["mbs"]
+        e["overhead_ms"] = {"layer": [0.1 * m, 0.2 * m], "stage": [1.0, 2.0], "wake": [0.5, 0.25],
+                            "checkpoint": [0.03, 0.07], "checkpoint_op": [0.001, 0.002],
+                            "optimizer": [0.5, 1.5]}
+    return data
+
+
+def test_overheads_field_defaults_to_zero_and_interpolates():
+    assert DeviceProfile(flat_profile()).overheads(TINY, 2, 1) == (0.0,) * 12   # old profiles: none
+    prof = DeviceProfile(_with_overheads(mbs=(1, 2, 4)))
+    rest = (0.5, 0.25, 0.03, 0.07, 0.001, 0.002, 0.5, 1.5)
+    assert prof.overheads(TINY, 2, 1) == (0.2, 0.4, 1.0, 2.0) + rest
+    assert prof.overheads(TINY, 3, 2) == pytest.approx((0.3, 0.6, 1.0, 2.0) + rest)  # between 2 and 4
+    assert prof.overheads(TINY, 8, 1) == prof.overheads(TINY, 4, 1)      # outside: the nearest size
+    assert prof.overheads(TINY, 0.5, 1) == prof.overheads(TINY, 1, 1)
+
+
+@pytest.mark.parametrize("value, message", [
+    ([1, 2], "overhead_ms must be an object"),
+    ({"layer": [1, 2], "other": [0, 0]}, "overhead_ms must be an object"),
+    ({"layer": [1]}, "overhead_ms.layer must be [fwd_ms, bwd_ms]"),
+    ({"stage": [1, "x"]}, "overhead_ms.stage must be [fwd_ms, bwd_ms]"),
+])
+def test_bad_overheads_name_the_field(value, message):
+    data = flat_profile()
+    data["models"][0]["entries"][1]["overhead_ms"] = value
+    with pytest.raises(ProfileError, match=r"models\[0\]\.entries\[1\]\." + message.replace("[", r"\["
+                                                                                          ).replace("]", r"\]")):
+        DeviceProfile(data)
+
+
+def test_cost_model_adds_overheads_per_layer_and_stage_and_emulation_wakes():
+    from dataclasses import replace
+
+    from eth.cluster import Cluster
+    from eth.cost import CostModel
+
+    cpu = catalog()["cpu"]
+    cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10, "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
+                                 "nodes": [{"type": "cpu", "devices_per_node": 1},
+                                           {"type": "cpu-e", "devices_per_node": 1}]})
+    plain = CostModel(TINY, cluster, ProfileDB({"cpu": DeviceProfile(flat_profile())}))
+    timed = CostModel(TINY, cluster, ProfileDB({"cpu": DeviceProfile(_with_overheads())}))
+    for cm in (plain, timed):
+        cm.profiles.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
+    for first, last in ((True, True), (False, False)):
+        a = plain.stage_cost_at("cpu", 1, 1, 3, first, last, 2, {}, 1, (10.0, 10.0, 10.0))
+        b = timed.stage_cost_at("cpu", 1, 1, 3, first, last, 2, {}, 1, (10.0, 10.0, 10.0))
+        assert b.fwd_ms - a.fwd_ms == pytest.approx(3 * 0.2 + 1.0)    # 3 layers + one stage call
+        assert b.bwd_ms - a.bwd_ms == pytest.approx(3 * 0.4 + 2.0)
+        # the emulated type: everything / speed, and the wake-up after each sleep per call
+        a = plain.stage_cost_at("cpu-e", 1, 1, 3, first, last, 2, {}, 1, (10.0, 10.0, 10.0))
+        b = timed.stage_cost_at("cpu-e", 1, 1, 3, first, last, 2, {}, 1, (10.0, 10.0, 10.0))
+        assert b.fwd_ms - a.fwd_ms == pytest.approx((3 * 0.2 + 1.0 + 0.5) / 0.5)
+        assert b.bwd_ms - a.bwd_ms == pytest.approx((3 * 0.4 + 2.0 + 0.25) / 0.5)
+    # recompute: softmax + attn-dropout + context (one run of 3) in 2 layers, gelu in 3 (runs of 1):
+    # 5 checkpoints holding 9 ops
+    rec = {"softmax": 2, "attn-dropout": 2, "context": 2, "gelu": 3}
+    a = plain.stage_cost_at("cpu", 1, 1, 3, False, False, 2, rec, 1, (10.0, 10.0, 10.0))
+    b = timed.stage_cost_at("cpu", 1, 1, 3, False, False, 2, rec, 1, (10.0, 10.0, 10.0))
+    assert b.fwd_ms - a.fwd_ms == pytest.approx(3 * 0.2 + 1.0 + 5 * 0.03 + 9 * 0.001)
+    assert b.bwd_ms - a.bwd_ms == pytest.approx(3 * 0.4 + 2.0 + 5 * 0.07 + 9 * 0.002)
+
+
+def test_optimizer_step_is_added_per_stage_and_not_stretched_by_emulation():
+    from dataclasses import replace
+
+    from eth.cluster import Cluster
+    from eth.cost import CostModel
+    from eth.plan import StagePlan
+    from eth.precision import TrainSetup
+
+    cpu = catalog()["cpu"]
+    cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
+                                 "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
+                                 "nodes": [{"type": "cpu", "devices_per_node": 2},
+                                           {"type": "cpu-e", "devices_per_node": 1}]})
+    db = ProfileDB({"cpu": DeviceProfile(_with_overheads())})
+    db.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
+    three = StagePlan([0], "cpu", 1, 1, (0, 3), {})
+    assert CostModel(TINY, cluster, db).optimizer_ms(2, three) == pytest.approx(3 * 0.5 + 1.5)
+    assert CostModel(TINY, cluster, db).optimizer_ms(2, replace(three, device_type="cpu-e")) == \
+        pytest.approx(3 * 0.5 + 1.5)                                    # the runtime steps at host speed
+    zero1 = CostModel(TINY, cluster, db, TrainSetup("fp32", 1, "fp32"))
+    assert zero1.optimizer_ms(2, StagePlan([0, 1], "cpu", 1, 2, (0, 3), {})) == pytest.approx((3 * 0.5 + 1.5) / 2)
+    assert CostModel(TINY, cluster, ProfileDB({"cpu": DeviceProfile(flat_profile())})).optimizer_ms(2, three) == 0

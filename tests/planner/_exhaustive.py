@@ -43,7 +43,8 @@ It is searched with three reductions, each exact:
     the best choice of each stage is, independently, the cheapest one that fits.  It is
     found exactly for stages of up to ``EXACT_RECOMPUTE_LAYERS`` layers (all count
     vectors, scored with the cost model's own savings of a layer's recompute set: the
-    first n layers recompute {op: count > n}); a longer stage that does not fit without
+    first n layers recompute {op: count > n}, less the run the backward holds again,
+    ``CostModel._remat_bytes``); a longer stage that does not fit without
     recompute contributes its no-recompute time as a lower bound instead.  Choices are
     visited by that bound, so recompute is solved only where it could win.
     :attr:`Optimum.lower_bound` is the smallest time any plan of the space can have;
@@ -136,6 +137,8 @@ def planner_stages(seq, counts: dict) -> bool:
 
 
 _SAVINGS: dict = {}
+_RUNS: dict = {}
+_REMAT: dict = {}
 _FRONTS: dict = {}
 _COUNTS: dict = {}
 """Shared by all runs (keyed by the op costs themselves): recompute tables per layer."""
@@ -167,6 +170,47 @@ def savings_per_layer(cost: CostModel, ops) -> np.ndarray:
     return _SAVINGS[key]
 
 
+def longest_run_per_layer(ops) -> np.ndarray:
+    """run1[mask]: the largest bytes one recomputed run of bit ``mask`` frees in a layer
+    (max over its runs of max(act - input of the first op, 0)): what the backward holds
+    again when it re-runs that layer (``CostModel._remat_bytes``)."""
+    key = tuple(ops[op] for op in LAYER_OPS)
+    if key not in _RUNS:
+        masks = np.arange(1 << len(LAYER_OPS))
+        best = np.zeros(len(masks))
+        run = np.zeros(len(masks))
+        prev = np.zeros(len(masks), dtype=bool)
+        for b, op in enumerate(LAYER_OPS):
+            on = (masks >> b & 1).astype(bool)
+            best = np.where(prev & ~on, np.maximum(best, run), best)     # a run ended
+            run = np.where(on & ~prev, ops[op].act_bytes - ops[op].input_bytes,
+                           np.where(on, run + ops[op].act_bytes, 0.0))
+            prev = on
+        _RUNS[key] = np.where(prev, np.maximum(best, run), best)
+    return _RUNS[key]
+
+
+def remat_of_vectors(cost: CostModel, ops, layers: int) -> np.ndarray:
+    """Per count vector of :func:`count_vectors`: the bytes the backward holds again
+    (``CostModel._remat_bytes``, vectorised and checked against it on sampled vectors):
+    layer l's longest run less the activations layers l+1.. of the micro-batch freed."""
+    key = (tuple(ops[op] for op in LAYER_OPS), layers)
+    if key not in _REMAT:
+        sav1, run1 = savings_per_layer(cost, ops), longest_run_per_layer(ops)
+        counts, masks = count_vectors(layers)
+        full = sum(ops[op].act_bytes for op in LAYER_OPS)
+        remat, behind = np.zeros(len(counts)), np.zeros(len(counts))
+        for m in masks[::-1]:
+            remat = np.maximum(remat, run1[m] - behind)
+            behind += full - sav1[m]
+        rng = np.random.default_rng(len(_REMAT))
+        for i in [0, len(counts) - 1, *rng.integers(0, len(counts), 64)]:
+            want = cost._remat_bytes(ops, {op: int(k) for op, k in zip(LAYER_OPS, counts[i]) if k}, layers)
+            assert abs(remat[i] - want) <= 1e-6 * max(1.0, abs(want)), (counts[i], remat[i], want)
+        _REMAT[key] = remat
+    return _REMAT[key]
+
+
 def count_vectors(layers: int):
     """(every recompute count vector in 0..layers per op, the bit mask of the ops that
     layer l recomputes for every l): layer l recomputes {op: count > l}."""
@@ -179,18 +223,20 @@ def count_vectors(layers: int):
     return _COUNTS[layers]
 
 
-def recompute_front(cost: CostModel, ops, weights: tuple, layers: int):
+def recompute_front(cost: CostModel, ops, weights: tuple, layers: int, inflight: int = 1):
     """The Pareto front of the count vectors (recompute[op] in 0..layers): (vectors, their
-    recompute ms, the bytes they free), by increasing ms and strictly increasing bytes.
-    ms is linear in the counts (``weights`` ms per op and layer); layer l recomputes
-    {op: count > l} and frees sav1 of that set."""
-    key = (tuple(ops[op] for op in LAYER_OPS), weights, layers)
+    recompute ms, the bytes they free per in-flight micro-batch), by increasing ms and
+    strictly increasing bytes.  ms is linear in the counts (``weights`` ms per op and
+    layer); layer l recomputes {op: count > l} and frees sav1 of that set; the stage's
+    memory falls by ``inflight`` x the freed bytes less what the backward holds again
+    (:func:`remat_of_vectors`), so a vector frees sum of sav1 - remat / inflight."""
+    key = (tuple(ops[op] for op in LAYER_OPS), weights, layers, inflight)
     if key not in _FRONTS:
         sav1 = savings_per_layer(cost, ops)
         counts, masks = count_vectors(layers)
         per_layer_ms = (np.arange(len(sav1))[:, None] >> np.arange(len(LAYER_OPS)) & 1) @ np.array(weights)
         ms = sum(per_layer_ms[m] for m in masks)
-        saved = sum(sav1[m] for m in masks)
+        saved = sum(sav1[m] for m in masks) - remat_of_vectors(cost, ops, layers) / inflight
         # drop vectors that a strictly cheaper one (a lower ms bin) frees as much as
         # (exact: they never answer "cheapest that frees enough"), then sort the rest
         bins = (ms * (4095 / max(ms.max(), 1e-30))).astype(np.int64)
@@ -288,7 +334,7 @@ class Exhaustive:
                 out = ("bound", c0, None)
             else:
                 weights = tuple(cost({op: 1}).recompute_ms for op in LAYER_OPS)
-                counts, ms, saved = recompute_front(self.cost, ops, weights, nl)
+                counts, ms, saved = recompute_front(self.cost, ops, weights, nl, c0.inflight)
                 out = None
                 for i in range(int(np.searchsorted(saved, need * (1 - 1e-12))), len(ms)):
                     rec = {op: int(k) for op, k in zip(LAYER_OPS, counts[i]) if k}

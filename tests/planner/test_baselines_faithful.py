@@ -29,6 +29,10 @@ CASES = {   # name: (model, nodes, extra cluster fields, gbs)
     # Metis needs recompute here (strong Metis recomputes, faithful Metis finds no plan)
     "4A+4R small memory": (M6, A4R4, {"device_types": {"A100": {"memory_gb": 2.2},
                                                        "RTX3090": {"memory_gb": 1.7}}}, 16),
+    # HexiScale needs its global recompute flag here (in "small memory" even that does not
+    # fit: a fully recomputed layer is held again in the backward, CostModel._remat_bytes)
+    "4A+4R memory for HexiScale": (M6, A4R4, {"device_types": {"A100": {"memory_gb": 2.6},
+                                                               "RTX3090": {"memory_gb": 2.0}}}, 16),
     # 400 Gbit/s between nodes: a stage of 1 A100 + the RTX3090 beats every single-type layout
     "3A+1R gbs8": (M4, A3R1, {"inter_node_gbps": 400}, 8),
 }
@@ -108,6 +112,8 @@ def test_metis_without_recompute_is_infeasible_where_strong_metis_recomputes():
     assert any(st.recompute for st in strong.pipelines[0].stages)
     with pytest.raises(Exception, match="metis.*without recompute"):
         plan_baseline("metis", model, cluster, db, gbs)
+    with pytest.raises(Exception, match="no feasible plan"):   # even with every layer recomputed
+        plan_baseline("hexiscale", model, cluster, db, gbs)
 
 
 def brute_metis(model, cluster, db, gbs):
@@ -213,7 +219,7 @@ def test_metis_records_a_faster_mixed_type_layout():
 
 
 # ---------------------------------------------------------------- HexiScale
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "4A+4R small memory"])
 def test_hexiscale_memory_split_one_mbs_global_recompute_even_batches(name):
     model, cluster, db, gbs = setup(name)
     plan = plan_baseline("hexiscale", model, cluster, db, gbs)
@@ -275,7 +281,7 @@ def brute_hexiscale(model, cluster, db, gbs):
     return best
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "4A+4R small memory"])
 def test_hexiscale_equals_brute_force_over_its_space(name):
     model, cluster, db, gbs = setup(name)
     plan = plan_baseline("hexiscale", model, cluster, db, gbs)

@@ -86,23 +86,3 @@ def test_search_memo_changes_no_plan():
         assert on.predicted == off.predicted
         assert on.to_dict()["pipelines"] == off.to_dict()["pipelines"]
         assert on.search["cost_evaluations"] <= off.search["cost_evaluations"]
-
-
-def test_recompute_fit_tables_equal_the_savings_formula():
-    """fit_stage's recompute search reads per-layer savings tables (the order's first k ops
-    recomputed in one layer): the order's first k ops in all nl layers and op k in m of
-    them must save exactly what CostModel._recompute_savings sums for that set."""
-    model, cluster, db = _setup()
-    ev = Evaluator(CostModel(model, cluster, db))
-    rng = random.Random(13)
-    for _ in range(200):
-        t, micro, tp = rng.choice(["910B2", "910B4"]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4, 8])
-        ops = db.layer_costs(t, model, micro, tp)[0]
-        order = ev.recompute_order(t, micro, tp)
-        per = [CostModel._layer_savings(ops, set(order[:k])) for k in range(len(order) + 1)]
-        nl = rng.randint(1, 12)
-        k, m = rng.randrange(len(order)), rng.randint(1, nl)
-        rec = {op: nl for op in order[:k]}
-        rec[order[k]] = m
-        table = m * per[k + 1] + ((nl - m) * per[k] if k and m < nl else 0.0)
-        assert table == CostModel._recompute_savings(ops, rec), (t, micro, tp, nl, k, m)

@@ -77,6 +77,51 @@ def test_file_loads_and_serves_every_entry(measured, capsys):
     assert sorted(entries(measured)) == sorted((m, t) for m in MBS for t in TPS)
 
 
+def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
+    """Every measured entry carries overhead_ms (finite numbers); stage_overheads on
+    hand-made rounds gives the per-round differences' medians."""
+    from megatron.hpp.profiler import stage_overheads
+
+    for e in load_profile(measured).data["models"][0]["entries"]:
+        oh = e["overhead_ms"]
+        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer"}
+        assert all(math.isfinite(v) for pair in oh.values() for v in pair)
+    from eth.model import all_ops, layer_ops
+
+    names = all_ops(TINY)
+    # round r: every op fwd 1 ms, bwd 2 ms (chained backward 0.5 x their sum: share 0.5);
+    # the 1-layer stage fwd = ops + 3 + r, the 2-layer one adds a layer of ops + 0.5
+    n_layer, n_extra = len(layer_ops(TINY)), len(names) - len(layer_ops(TINY))
+    rounds = 3
+    sums = {"fwd": {o: [1.0] * rounds for o in names}, "bwd": {o: [2.0] * rounds for o in names},
+            "chained_bwd": [0.5 * 2.0 * len(names)] * rounds}
+    s1 = [(len(names) + 3.0 + r, len(names) + 4.0) for r in range(rounds)]
+    s2 = [(f + n_layer + 0.5, b + n_layer + 0.25) for f, b in s1]
+    wake = [(f + 1.5, b + 0.5) for f, b in s1]
+    # recomputing the whole layer: checkpoint 0.2 / 0.3 + 13 x 0.01 / 0.02, and the backward
+    # re-runs the layer's forwards (1 ms each); one op: 0.2 / 0.3 + 0.01 / 0.02 + 1 ms
+    rec = [(f + 0.2 + n_layer * 0.01, b + 0.3 + n_layer * (0.02 + 1.0)) for f, b in s1]
+    rec1 = [(f + 0.21, b + 0.32 + 1.0) for f, b in s1]
+    got = stage_overheads({"stages": {"s1": s1, "s2": s2, "s1-wake": wake, "s1-rec": rec, "s1-rec1": rec1},
+                           "op_sums": sums}, TINY, True)
+    assert got["checkpoint"] == [pytest.approx(0.2), pytest.approx(0.3)]
+    assert got["checkpoint_op"] == [pytest.approx(0.01), pytest.approx(0.02)]
+    assert got["layer"] == [0.5, 0.25]
+    # stage: s1 - (layer ops + 0.5) - extra ops; fwd median over r of 3 + r - 0.5
+    assert got["stage"] == [pytest.approx(3.5), pytest.approx(len(names) + 4.0 - (n_layer + 0.25) - n_extra)]
+    assert got["wake"] == [1.5, 0.5]
+    assert stage_overheads({"stages": {"s1": s1, "s2": s2}, "op_sums": sums}, TINY, False)["wake"] == [0, 0]
+
+
+def test_no_overheads_flag_times_the_ops_only(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    assert run(["--model", "tiny", "--device-type", "cpu", "--mbs", "2", "--tp", "1", "--no-overheads",
+                "-o", str(path), *FAST]) == 0
+    entry = load_profile(path).data["models"][0]["entries"][0]
+    assert "overhead_ms" not in entry and set(entry["ops"]) == set(ALL_OPS)
+    assert ProfileDB.load(path).overheads("cpu", TINY, 2, 1) == (0.0,) * 12
+
+
 def test_weight_bytes_equal_the_formula_in_the_dtype(measured):
     for (mbs, tp), ops in entries(measured).items():
         shapes = op_shapes(TINY, mbs, tp)

@@ -1,0 +1,207 @@
+"""Symmetric device groups: k identical pipelines beyond the block enumeration.
+
+The enumeration (:mod:`eth.planner.enumerate`) cuts each type's devices into at most
+``max_blocks_per_type`` blocks, so on 512-1024 devices a pipeline holds at least one
+block (32-128 devices) of a type, and DP (Eq. 10) takes over after a few pipeline counts.
+Many identical mixed pipelines -- e.g. 16 pipelines of 16 910B2 + 16 910B3 on 512
+devices, HexiScale's shape -- are then out of reach although they lie in HPP's space.
+
+:func:`symmetric_phase` adds them, after the enumeration and before the final polish.
+For every pipeline count k > 1 that divides every type's device count (and k <= Gbs,
+``max_pipelines``), the *symmetric group* is k copies of one pipeline with count_t / k
+devices of each type.  It is evaluated on its own block granularity (one block = one
+pipeline's devices of a type, so the pipeline is the block vector (1, ..., 1)) by a
+sibling :class:`eth.planner.search.HPPSearch` that shares the search's cost model,
+evaluator, clock, phase timer and statistics (:func:`_evaluate`):
+
+1. the normal three phases (:meth:`HPPSearch.evaluate_group`): phase 1 plans the
+   pipeline once for B = Gbs and the cache reuses it for all k copies, phase 2 allocates
+   the Lbs, phase 3 refines;
+2. phase 1 for B = Gbs / k (when k divides Gbs: Eq. 1's bubble is then that of the
+   micro-batches the pipeline really runs), and each of its stage groups' configurations
+   copied k times and allocated (:func:`_copies`), then finer Mbs;
+3. for the ``polish_top`` best groups within ``refine_margin`` of the best plan so far:
+   a steepest descent that applies one move to every pipeline at once (:func:`_descend`;
+   :func:`eth.planner.polish.pipeline_moves` and :func:`layer_moves`, which moves a layer
+   between any two stages: the group's Eq. 5 charges each stage's All-Reduce after its
+   backward tail, which the balancer's Eq. 1 does not see), scored by the whole group's
+   allocation, then the exact allocation with free Mbs
+   (:func:`eth.planner.polish.variant_allocation`).
+
+A pipeline count is left out when the enumeration already visited that symmetric group in
+the search's own blocks (k divides every block count, k was counted before DP took over,
+no time limit), and k = 1 (the one-pipeline group is the enumeration's first).  The best
+candidate replaces the search's best only if it is predicted faster, so the phase can only
+improve the plan; ``plan.search["symmetric"]`` records the counts tried, each one's
+predicted ms and the count that won (0: none).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from eth.planner.enumerate import Blocks, make_blocks
+from eth.planner.pipeline import PipelineResult
+from eth.planner.polish import Candidate, finer_microbatches, pipeline_moves, variant_allocation
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def symmetric_counts(search) -> list[tuple[int, tuple[int, ...]]]:
+    """(k, devices per type of one pipeline) of every symmetric group the phase evaluates
+    (see the module docstring for which k are left out), ascending k."""
+    unit = make_blocks(search.cluster, search.cluster.world_size)   # one device per block
+    opt, stats = search.opt, search.stats
+    limit = min(opt.gbs, opt.max_pipelines or opt.gbs)
+    out = []
+    for k in divisors(math.gcd(*unit.count)):
+        if k == 1 or k > limit:
+            continue
+        in_blocks = all(c % k == 0 for c in search.blocks.count)
+        visited = (k <= stats.counted_pipelines and not stats.time_limited
+                   and (not stats.dp_triggered_at or k < stats.dp_triggered_at))
+        if in_blocks and visited:
+            continue
+        out.append((k, tuple(c // k for c in unit.count)))
+    return out
+
+
+def _sibling(search, blocks: Blocks):
+    """An HPPSearch (``search``'s class) over ``blocks`` sharing ``search``'s cost model,
+    evaluator, clock, phase timer, statistics and any attribute set after construction;
+    its caches are keyed by block vectors, so they are its own."""
+    child = type(search)(search.model, search.cluster, search.cost.profiles, search.opt)
+    for name, value in vars(search).items():    # what a subclass set outside __init__
+        if name not in vars(child):
+            setattr(child, name, value)
+    child.cost, child.ev = search.cost, search.ev
+    child.clock, child.phases, child.stats = search.clock, search.phases, search.stats
+    child.blocks = blocks
+    return child
+
+
+def _copies(search, results, k: int) -> Candidate | None:
+    """The group of k copies of each of ``results`` (one pipeline's configurations) at the
+    phase-2 allocation; the fastest, or None."""
+    best = None
+    for r in results:
+        if search._out_of_time():
+            break
+        got = search._allocate([r] * k)
+        if got is not None and (best is None or got[1] < best.iteration_ms * (1 - 1e-9)):
+            best = Candidate(got[0], got[1], [r] * k)
+    return best
+
+
+def _evaluate(child, vec, k: int) -> Candidate | None:
+    """The symmetric group of k copies of ``vec`` in ``child``'s blocks: the normal three
+    phases (phase 1 for Gbs), and every stage group's configuration planned for the
+    even share Gbs / k (phase 1 with B = Lbs, where Eq. 1's bubble is that of the real
+    micro-batch count) copied k times; the fastest after finer Mbs, offered to ``child``."""
+    found = [c for c in [child.evaluate_group((vec,) * k)] if c is not None]
+    gbs = child.opt.gbs
+    if gbs % k == 0 and not child._out_of_time():
+        r = child.phase1(vec, batch=gbs // k)
+        if r is not None and r.feasible:
+            cand = _copies(child, [r, *r.alternatives], k)
+            if cand is not None:
+                found.append(finer_microbatches(child, cand))
+    if not found:
+        return None
+    best = min(found, key=lambda c: c.iteration_ms)
+    child._consider(best)
+    return best
+
+
+def layer_moves(r: PipelineResult):
+    """One layer from any stage to any stage that is not its neighbour (the neighbour
+    moves are :func:`eth.planner.polish.pipeline_moves`'): the group's Eq. 5 also weighs
+    each stage's All-Reduce after its backward tail (AR^j of the first stages waits for
+    the longest tail), which a single neighbour move across equal stages cannot lower."""
+    stages = r.state.stages
+    for a in range(len(stages)):
+        if stages[a].layers > 1:
+            for b in range(len(stages)):
+                if abs(b - a) > 1:
+                    new = list(stages)
+                    new[a] = replace(stages[a], layers=stages[a].layers - 1)
+                    new[b] = replace(stages[b], layers=stages[b].layers + 1)
+                    yield replace(r.state, stages=tuple(new))
+
+
+def _descend(search, cand: Candidate, budget: int) -> Candidate:
+    """Steepest descent over :func:`eth.planner.polish.pipeline_moves` applied to every
+    pipeline at once (the group stays symmetric), scored by the group's allocation;
+    for groups of identical pipelines, whose one-pipeline moves gain little alone."""
+    spent = 0
+    while spent < budget and not search._out_of_time():
+        first, lbs = cand.results[0], cand.plan.pipelines[0].lbs
+        if any(r.state != first.state or r.group != first.group for r in cand.results):
+            return cand
+        best = None
+        for state in [*pipeline_moves(search.ev, first), *layer_moves(first)]:
+            if spent >= budget or search._out_of_time():
+                break
+            e = search.ev.evaluate(state, lbs, first.ranks)
+            if not e.feasible:
+                continue
+            spent += 1
+            trial = [PipelineResult(first.vec, lbs, first.group, state, e, first.ranks)] * len(cand.results)
+            got = search._allocate(trial)
+            if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+                best = Candidate(got[0], got[1], trial)
+        if best is None:
+            break
+        cand = best
+    return cand
+
+
+DESCENT_BUDGET = 4
+"""The symmetric descent may spend this many times ``polish_budget`` group evaluations
+on each polished symmetric group.  The general polish (:func:`eth.planner.polish.polish`)
+is not run on these groups: its moves change one pipeline of k identical ones, which
+rarely pays, and its re-plans cost much on 512-1024 devices."""
+
+
+def symmetric_phase(search) -> dict:
+    """Evaluate (and polish) the symmetric groups of ``search``; adopt the best if faster.
+
+    Returns the record for ``plan.search["symmetric"]``: the pipeline counts tried, the
+    predicted ms of each (after polish where polished; null: no feasible plan) and the
+    count whose plan became the search's best (0: none)."""
+    unit = make_blocks(search.cluster, search.cluster.world_size)
+    found: list[tuple[int, Candidate, object]] = []
+    record = {"pipelines": [], "ms": {}, "won": 0}
+    for k, per in symmetric_counts(search):
+        if search._out_of_time():
+            break
+        blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks, unit.nodes)
+        child = _sibling(search, blocks)
+        vec = (1,) * len(per)
+        record["pipelines"].append(k)
+        cand = _evaluate(child, vec, k) if child.can_hold(vec) else None
+        record["ms"][str(k)] = round(cand.iteration_ms, 4) if cand is not None else None
+        if cand is not None:
+            found.append((k, cand, child))
+    found.sort(key=lambda x: x[1].iteration_ms)
+    bar = min([search.best.iteration_ms] if search.best is not None else [], default=math.inf)
+    if found:
+        bar = min(bar, found[0][1].iteration_ms) * (1 + search.opt.refine_margin)
+    for i, (k, cand, child) in enumerate(found):
+        # the polish_top best within refine_margin of the best plan so far
+        if i >= search.opt.polish_top or cand.iteration_ms > bar or search._out_of_time():
+            break
+        better = _descend(child, cand, DESCENT_BUDGET * search.opt.polish_budget)
+        final = None if search._out_of_time() else variant_allocation(child, better.results)
+        if final is not None and final.iteration_ms < better.iteration_ms:
+            better = final
+        if better.iteration_ms < cand.iteration_ms:
+            found[i] = (k, better, child)
+            record["ms"][str(k)] = round(better.iteration_ms, 4)
+    for k, cand, _ in found:
+        if search.best is None or cand.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
+            search.best = cand
+            record["won"] = k
+    return record
