@@ -227,8 +227,11 @@ class CostModel:
         memory = (params * self.setup.state_bytes_per_param(dp)
                   + self._peak_extra(params, inflight * max(act, 0.0) + transient) + reserved)
         capacity = self.cluster.types[device_type].memory_bytes
-        cost = StageCost(fwd, bwd, recompute_ms, comm, params, max(act, 0.0), inflight, memory, capacity,
-                         send_f, send_b)
+        # StageCost(...) without the frozen dataclass's __init__ (11 object.__setattr__ calls)
+        cost = object.__new__(StageCost)
+        cost.__dict__.update(fwd_ms=fwd, bwd_ms=bwd, recompute_ms=recompute_ms, comm_ms=comm, params=params,
+                             act_bytes=max(act, 0.0), inflight=inflight, memory_bytes=memory,
+                             capacity_bytes=capacity, send_fwd_ms=send_f, send_bwd_ms=send_b)
         self._cache[key] = cost
         return cost
 
@@ -236,51 +239,58 @@ class CostModel:
                      recompute: dict[str, int], links: tuple[float, float, float]) -> tuple:
         """(fwd, bwd, recompute, comm ms, params, act bytes, reserved bytes, send fwd / bwd ms,
         backward transient bytes) of ``nl`` layers at ``micro`` samples per replica;
-        ``links`` = (tp group, next, previous)."""
-        prof = self.profiles.get(device_type)
-        scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
-        ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
-        in_layer = [ops[op] for op in layer_ops(self.model)]
-        fwd = nl * sum(c.fwd_ms for c in in_layer)
-        bwd = nl * sum(c.bwd_ms for c in in_layer)
-        weights = nl * sum(c.weight_bytes for c in in_layer)
-        act = nl * sum(c.act_bytes for c in in_layer)
+        ``links`` = (tp group, next, previous).  The terms that do not depend on ``nl`` and
+        ``recompute`` come from :meth:`_shape_parts` (memoised); the sums run in the same
+        order as if computed here, so the floats are the same."""
+        pkey = ("parts", device_type, tp, micro, first, last) + links
+        parts = self._cache.get(pkey)
+        if parts is None:
+            parts = self._cache[pkey] = self._shape_parts(device_type, tp, micro, first, last, links)
+        ops, reserved, dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh, backward = parts
+        fwd = nl * sf
+        bwd = nl * sb
+        weights = nl * sw
+        act = nl * sa
         recompute_ms = sum(ops[op].fwd_ms * n for op, n in recompute.items())
-        act -= self._recompute_savings(ops, recompute)
-        extra = (pre_ops(self.model) if first else ()) + (post_ops(self.model) if last else ())
-        for op in extra:
-            fwd += ops[op].fwd_ms
-            bwd += ops[op].bwd_ms
-            weights += ops[op].weight_bytes
-            act += ops[op].act_bytes
+        if recompute:
+            rkey = ("saved", device_type, micro, tp, tuple(recompute.items()))
+            saved = self._cache.get(rkey)
+            if saved is None:
+                saved = self._cache[rkey] = self._recompute_savings(ops, recompute)
+            act -= saved
+        else:
+            act -= 0.0
+        for f, b, w, a in extra:
+            fwd += f
+            bwd += b
+            weights += w
+            act += a
         # the runtime's cost beyond the ops, per layer and per stage call (measured profiles'
         # overhead_ms; zeros for analytic and imported ones)
-        oh = self.profiles.overheads(device_type, self.model, micro, tp)
         fwd += nl * oh[0] + oh[2]
         bwd += nl * oh[1] + oh[3]
         if recompute and any(oh[6:10]):   # per checkpoint: a + k x b for a run of k ops
-            runs, run_ops = self._recompute_run_counts(ops, recompute)
+            ckey = ("runs", device_type, micro, tp, tuple(recompute.items()))
+            counts = self._cache.get(ckey)
+            if counts is None:
+                counts = self._cache[ckey] = self._recompute_run_counts(ops, recompute)
+            runs, run_ops = counts
             fwd += runs * oh[6] + run_ops * oh[8]
             bwd += runs * oh[7] + run_ops * oh[9]
 
         comm = 0.0
-        if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them
-            link = links[0]
-            parts = [("layer", nl)] + ([("pre", 1)] if first else []) + ([("post", 1)] if last else [])
-            for part, count in parts:
-                f_sizes, b_sizes = tp_allreduces(self.model, micro, part)
-                table = self._measured(prof, device_type, link)
-                comm_f = count * sum(collective_ms("all_reduce", tp, b * scale, link, table) for b in f_sizes)
-                comm_b = count * sum(collective_ms("all_reduce", tp, b * scale, link, table) for b in b_sizes)
+        if tp_parts is not None:   # tp > 1 and the op times do not hold the TP collectives
+            for per_layer, f_sum, b_sum in tp_parts:
+                count = nl if per_layer else 1
+                comm_f = count * f_sum
+                comm_b = count * b_sum
                 fwd += comm_f
                 bwd += comm_b
                 comm += comm_f + comm_b
             # tp > kv_heads: the qkv output is all-gathered (backward: reduce-scattered)
-            ag_f, ag_b = tp_allgathers(self.model, micro, tp)
-            if ag_f:
-                table = self._measured(prof, device_type, link)
-                comm_f = nl * sum(collective_ms("all_gather", tp, b * scale, link, table) for b in ag_f)
-                comm_b = nl * sum(collective_ms("reduce_scatter", tp, b * scale, link, table) for b in ag_b)
+            if ag is not None:
+                comm_f = nl * ag[0]
+                comm_b = nl * ag[1]
                 fwd += comm_f
                 bwd += comm_b
                 comm += comm_f + comm_b
@@ -291,11 +301,53 @@ class CostModel:
             # recomputing a row-parallel GEMM repeats its forward all-reduce
             redo = recompute.get("attn-dense", 0) + recompute.get("mlp-gemm-2", 0)
             if redo:
+                prof = self.profiles.get(device_type)
+                link = links[0]
+                scale = prof.dtype_bytes / ACT_BYTES
                 per = collective_ms("all_reduce", tp, tp_allreduces(self.model, micro, "layer")[0][0] * scale,
                                     link, self._measured(prof, device_type, link))
                 recompute_ms += redo * per
                 comm += redo * per
         bwd += recompute_ms
+        fwd += send_f
+        bwd += send_b
+        comm += send_f + send_b
+        transient = backward + self._remat_bytes(ops, recompute, nl)
+        return fwd, bwd, recompute_ms, comm, weights / dtype_bytes, act, reserved, send_f, send_b, transient
+
+    def _shape_parts(self, device_type: str, tp: int, micro: int, first: bool, last: bool,
+                     links: tuple[float, float, float]) -> tuple:
+        """The terms of :meth:`_stage_shape` that do not depend on the layer count nor the
+        recompute set: (ops, reserved, dtype bytes, per-layer fwd / bwd / weight / act sums,
+        the boundary ops' (fwd, bwd, weight, act), the TP all-reduces' (per layer?, fwd sum,
+        bwd sum) per part or None, the all-gathers' per-layer (fwd, bwd) sums or None,
+        send fwd / bwd ms, the profile's overheads, the backward's transient bytes
+        :meth:`_backward_bytes`)."""
+        prof = self.profiles.get(device_type)
+        scale = prof.dtype_bytes / ACT_BYTES   # activations travel in the profiled dtype
+        ops, reserved = self.profiles.layer_costs(device_type, self.model, micro, tp)
+        in_layer = [ops[op] for op in layer_ops(self.model)]
+        sf = sum(c.fwd_ms for c in in_layer)
+        sb = sum(c.bwd_ms for c in in_layer)
+        sw = sum(c.weight_bytes for c in in_layer)
+        sa = sum(c.act_bytes for c in in_layer)
+        extra = tuple((ops[op].fwd_ms, ops[op].bwd_ms, ops[op].weight_bytes, ops[op].act_bytes)
+                      for op in (pre_ops(self.model) if first else ()) + (post_ops(self.model) if last else ()))
+        tp_parts = ag = None
+        if tp > 1 and not prof.tp_comm_included(self.model):  # else the op times hold them
+            link = links[0]
+            table = self._measured(prof, device_type, link)
+            tp_parts = []
+            for part in ["layer"] + (["pre"] if first else []) + (["post"] if last else []):
+                f_sizes, b_sizes = tp_allreduces(self.model, micro, part)
+                tp_parts.append((part == "layer",
+                                 sum(collective_ms("all_reduce", tp, b * scale, link, table) for b in f_sizes),
+                                 sum(collective_ms("all_reduce", tp, b * scale, link, table) for b in b_sizes)))
+            tp_parts = tuple(tp_parts)
+            ag_f, ag_b = tp_allgathers(self.model, micro, tp)
+            if ag_f:
+                ag = (sum(collective_ms("all_gather", tp, b * scale, link, table) for b in ag_f),
+                      sum(collective_ms("reduce_scatter", tp, b * scale, link, table) for b in ag_b))
         boundary = micro * self.model.seq_len * self.model.hidden * ACT_BYTES * scale
         send_f = send_b = 0.0
         if not last:
@@ -304,11 +356,9 @@ class CostModel:
         if not first:
             link = links[2]
             send_b = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
-        fwd += send_f
-        bwd += send_b
-        comm += send_f + send_b
-        transient = self._backward_bytes(ops, last) + self._remat_bytes(ops, recompute, nl)
-        return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b, transient
+        oh = self.profiles.overheads(device_type, self.model, micro, tp)
+        return (ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh,
+                self._backward_bytes(ops, last))
 
     def optimizer_ms(self, mbs: int, stage) -> float:
         """The step after the backward on one rank of ``stage`` (measured profiles'
@@ -356,12 +406,18 @@ class CostModel:
         # layers [prev, n) recompute exactly the ops whose count exceeds prev
         for n in sorted(set(recompute.values())):
             ops_here = {op for op, k in recompute.items() if k >= n}
-            per_layer = 0.0
-            for run in recompute_runs(ops_here, order):
-                per_layer += max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0)
-            saved += (n - prev) * per_layer
+            saved += (n - prev) * CostModel._layer_savings(ops, ops_here, order)
             prev = n
         return saved
+
+    @staticmethod
+    def _layer_savings(ops, recomputed, order) -> float:
+        """Activation bytes one layer frees when it recomputes the ops ``recomputed``
+        (:meth:`_recompute_savings` per layer; ``order``: the layer ops of ``ops`` in order)."""
+        per_layer = 0.0
+        for run in recompute_runs(recomputed, order):
+            per_layer += max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0)
+        return per_layer
 
     def _backward_bytes(self, ops, last: bool) -> float:
         """Transient bytes of the backward of one micro-batch above its saved activations.

@@ -34,6 +34,7 @@ reduce-scatter + all-gather of ZeRO).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from functools import lru_cache
 
 from eth.params import block_keys, block_position, block_specs
@@ -113,32 +114,53 @@ def stage_allreduce_ms(cost, pipelines) -> list[list[float]]:
 
     model, per_elem = cost.model, cost.setup.sync_bytes_per_element()
     layer_part, layer_repl = block_split(model, "layer 0")
-    result, links = [], {}
+    result, links, blocks = [], {}, {}
+    # the stage of pipeline q holding a layer: bisection on the stages' first layers
+    # (stage_holding's linear scan ran once per pipeline, stage and layer span)
+    starts = [[hs.layers[0] for hs in q.stages] for q in pipelines]
     for p in pipelines:
         row = []
         for st in p.stages:
             total, (start, end) = 0.0, st.layers
             layer = start
             while layer < end:
-                holders = [q.stages[stage_holding(q, layer)] for q in pipelines]
+                holders = [_holding(q, s, layer) for q, s in zip(pipelines, starts)]
                 # the holder set is constant until any holder's stage ends
                 span_end = min([end] + [hs.layers[1] for hs in holders])
                 total += (span_end - layer) * _block_ms(cost, holders, layer_part, layer_repl,
-                                                        st.tp, per_elem, links, eq6_allreduce_ms)
+                                                        st.tp, per_elem, links, eq6_allreduce_ms, blocks)
                 layer = span_end
             for edge in ("embedding", "head"):
                 if (edge == "embedding" and start == 0) or (edge == "head" and end == model.num_layers):
                     holders = [q.stages[0] if edge == "embedding" else q.stages[-1] for q in pipelines]
                     part, repl = block_split(model, edge)
-                    total += _block_ms(cost, holders, part, repl, st.tp, per_elem, links, eq6_allreduce_ms)
+                    total += _block_ms(cost, holders, part, repl, st.tp, per_elem, links, eq6_allreduce_ms,
+                                       blocks)
             row.append(total)
         result.append(row)
     return result
 
 
-def _block_ms(cost, holders, part, repl, tp, per_elem, links, eq6) -> float:
-    n = sum(hs.dp for hs in holders)
+def _holding(q, starts, layer: int):
+    """:func:`eth.plan.stage_holding` (the stage itself) by bisection on ``starts``."""
+    j = bisect_right(starts, layer) - 1
+    if j >= 0:
+        hs = q.stages[j]
+        if hs.layers[0] <= layer < hs.layers[1]:
+            return hs
+    return q.stages[stage_holding(q, layer)]   # no such stage: its error
+
+
+def _block_ms(cost, holders, part, repl, tp, per_elem, links, eq6, blocks=None) -> float:
     key = tuple(id(hs) for hs in holders)
+    if blocks is not None:
+        hit = blocks.get((key, part, repl, tp))
+        if hit is not None:
+            return hit
+    n = sum(hs.dp for hs in holders)
     if key not in links:
         links[key] = cost.cluster.link_gbps([r for hs in holders for r in hs.ranks])
-    return eq6((part / tp + repl) * per_elem, n, links[key])
+    ms = eq6((part / tp + repl) * per_elem, n, links[key])
+    if blocks is not None:
+        blocks[(key, part, repl, tp)] = ms
+    return ms

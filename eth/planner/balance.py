@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
+from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState, _pipe
 
 
 def split_layers(num_layers: int, weights: list[float]) -> list[int]:
@@ -58,12 +58,12 @@ def resplit(ev: Evaluator, state: PipeState) -> PipeState:
         key = (state.mbs,) + tuple((s.device_type, s.ndev, s.tp) for s in state.stages)
         counts = ev._splits.get(key)
         if counts is not None:
-            return PipeState(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
+            return _pipe(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
     speeds = [1.0 / ev.layer_ms(s, state.mbs) for s in state.stages]
     counts = split_layers(ev.model.num_layers, speeds)
     if key is not None:
         ev._splits[key] = counts
-    return PipeState(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
+    return _pipe(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
 
 
 def _lcm(values) -> int:
@@ -147,7 +147,7 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) 
                     new = list(stages)
                     new[j] = st.with_layers(st.layers - k)
                     new[nb] = stages[nb].with_layers(stages[nb].layers + k)
-                    out.append(PipeState(tuple(new), state.mbs))
+                    out.append(_pipe(tuple(new), state.mbs))
     # tp <-> dp exchange
     tps = ev.valid_tps(st.device_type, st.ndev, ranks[j] if ranks else None)
     for tp in (st.tp * 2, st.tp // 2):
@@ -156,17 +156,17 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) 
             new[j] = st.with_tp(tp)
             dp = st.ndev // tp
             if state.mbs % dp == 0:
-                out.append(PipeState(tuple(new), state.mbs))
+                out.append(_pipe(tuple(new), state.mbs))
             else:
                 mbs = _lcm([state.mbs, dp])
                 if batch % mbs == 0:
-                    out.append(PipeState(tuple(new), mbs))
+                    out.append(_pipe(tuple(new), mbs))
     # micro-batch size
     if batch % (state.mbs * 2) == 0:
-        out.append(PipeState(state.stages, state.mbs * 2))
+        out.append(_pipe(state.stages, state.mbs * 2))
     half = state.mbs // 2
     if half >= 1 and state.mbs % 2 == 0 and all(half % s.dp == 0 for s in stages):
-        out.append(PipeState(state.stages, half))
+        out.append(_pipe(state.stages, half))
     # few micro-batches (B / Mbs < 2 S): tp x2 or /2 on every stage of the bottleneck's
     # type, or on every stage, at once, with the Mbs the new dps allow (a smaller Mbs
     # needs every stage's dp to shrink, which single-stage exchanges cannot reach one
@@ -197,7 +197,7 @@ def _type_wide(ev: Evaluator, state: PipeState, device_type, batch: int, ranks) 
             base = _lcm(x.dp for x in new)
             for mbs in sorted({state.mbs, state.mbs // 2, base}):
                 if mbs >= 1 and mbs % base == 0 and batch % mbs == 0:
-                    out.append(PipeState(tuple(new), mbs))
+                    out.append(_pipe(tuple(new), mbs))
     return out
 
 
@@ -226,10 +226,9 @@ def balance(ev: Evaluator, state: PipeState, batch: int, ranks, budget: int,
         for j in order[:2]:
             best = None
             for cand in neighbours(ev, state, j, batch, ranks):
-                if cand in memo:
-                    e = memo[cand]
-                else:
-                    e = cost(cand)
+                e = memo.get(cand)
+                if e is None:
+                    e = memo[cand] = ev.evaluate(cand, batch, ranks)
                     spent += 1
                 if best is None or e.key < best[1].key:
                     best = (cand, e)

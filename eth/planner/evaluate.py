@@ -48,12 +48,33 @@ class StageState:
     def dp(self) -> int:
         return self.ndev // self.tp
 
+    def __post_init__(self):
+        # the hash is computed once per state: the balancer's and the evaluator's memos
+        # hash states over and over (the generated hash built a tuple on every call)
+        object.__setattr__(self, "_hash", hash((self.device_type, self.ndev, self.tp, self.layers)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def with_layers(self, layers: int) -> "StageState":
         """This stage with ``layers`` layers (``dataclasses.replace`` is slow in the balancer)."""
-        return StageState(self.device_type, self.ndev, self.tp, layers)
+        return _stage(self.device_type, self.ndev, self.tp, layers)
 
     def with_tp(self, tp: int) -> "StageState":
-        return StageState(self.device_type, self.ndev, tp, self.layers)
+        return _stage(self.device_type, self.ndev, tp, self.layers)
+
+
+def _stage(device_type: str, ndev: int, tp: int, layers: int) -> StageState:
+    """``StageState(device_type, ndev, tp, layers)`` without the frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field: half the cost of a balancer move)."""
+    s = object.__new__(StageState)
+    d = s.__dict__
+    d["device_type"] = device_type
+    d["ndev"] = ndev
+    d["tp"] = tp
+    d["layers"] = layers
+    d["_hash"] = hash((device_type, ndev, tp, layers))
+    return s
 
 
 @dataclass(frozen=True)
@@ -63,12 +84,28 @@ class PipeState:
     stages: tuple[StageState, ...]
     mbs: int
 
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.stages, self.mbs)))   # once, as StageState's
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def layer_ranges(self) -> list[tuple[int, int]]:
         out, start = [], 0
         for s in self.stages:
             out.append((start, start + s.layers))
             start += s.layers
         return out
+
+
+def _pipe(stages: tuple[StageState, ...], mbs: int) -> PipeState:
+    """``PipeState(stages, mbs)`` without the frozen dataclass's ``__init__`` (as :func:`_stage`)."""
+    s = object.__new__(PipeState)
+    d = s.__dict__
+    d["stages"] = stages
+    d["mbs"] = mbs
+    d["_hash"] = hash((stages, mbs))
+    return s
 
 
 @dataclass(frozen=True)
@@ -90,6 +127,17 @@ class Evaluation:
     @property
     def feasible(self) -> bool:
         return self.overflow == 0
+
+
+def _evaluation(ms: float, overflow: float, costs: tuple, recompute: tuple) -> Evaluation:
+    """``Evaluation(ms, overflow, costs, recompute)`` without the frozen ``__init__`` (as :func:`_stage`)."""
+    e = object.__new__(Evaluation)
+    d = e.__dict__
+    d["ms"] = ms
+    d["overflow"] = overflow
+    d["costs"] = costs
+    d["recompute"] = recompute
+    return e
 
 
 class Evaluator:
@@ -161,7 +209,7 @@ class Evaluator:
         inflight = max(1, min(num_stages - j, nmb))
         if links is None:
             links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
-        key = (st, first, last, mbs, inflight) + links
+        key = (st.device_type, st.ndev, st.tp, st.layers, first, last, mbs, inflight) + links
         hit = self._fit.get(key)
         if hit is not None:
             return hit
@@ -255,36 +303,52 @@ class Evaluator:
             memo = self._stages[id(ranks)] = (ranks, {})
         memo = memo[1]
         hits, start, overflow, L = [], 0, 0.0, self.model.num_layers
+        get = memo.get
         for j, st in enumerate(stages):
             # len(ranks) == S; the position enters through j, the first/last flags and
-            # the in-flight micro-batches only
-            key = (j, st.device_type, st.ndev, st.tp, st.layers, start == 0, start + st.layers == L, mbs,
-                   max(1, min(S - j, nmb)))
-            hit = memo.get(key)
+            # the in-flight micro-batches (min(S - j, nmb), both >= 1) only
+            n = st.layers
+            key = (j, st.device_type, st.ndev, st.tp, n, start == 0, start + n == L, mbs,
+                   S - j if S - j < nmb else nmb)
+            hit = get(key)
             if hit is None:
-                hit = memo[key] = self._stage_entry(st, (start, start + st.layers), mbs, j, S, nmb, ranks)
+                hit = memo[key] = self._stage_entry(st, (start, start + n), mbs, j, S, nmb, ranks, memo)
             hits.append(hit)
             overflow += hit[2]
-            start += st.layers
-        costs = tuple(h[0] for h in hits)
-        recs = tuple(h[1] for h in hits)
+            start += n
+        costs, recs, _, ars, totals = zip(*hits)
         if overflow:
-            return Evaluation(math.inf, overflow, costs, recs)
-        totals = [h[4] for h in hits]
+            return _evaluation(math.inf, overflow, costs, recs)
         ms = sum(totals) + max(totals) * (batch / mbs - 1)   # eq1_pipeline_ms
         extra, head_bwd = 0.0, 0.0
-        for h in hits:
-            if h[3] is not None:
-                extra = max(extra, h[3] - head_bwd)
-            head_bwd += h[0].bwd_ms
-        return Evaluation(ms + extra, overflow, costs, recs)
+        for c, ar in zip(costs, ars):
+            if ar is not None:
+                extra = max(extra, ar - head_bwd)
+            head_bwd += c.bwd_ms
+        return _evaluation(ms + extra, overflow, costs, recs)
 
-    def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks):
-        """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms)."""
+    def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks,
+                     memo=None):
+        """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms).
+
+        ``memo``: the per-ranks dictionary of :meth:`evaluate`, which also keeps stage j's
+        links by (type, tp) and its own All-Reduce by (stage, first / last layer held)."""
         nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
-        links = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
+        lkey = ("links", j, st.device_type, st.tp)
+        links = memo.get(lkey) if memo is not None else None
+        if links is None:
+            links = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
+            if memo is not None:
+                memo[lkey] = links
         c, rec, over = self.fit_stage(st, rng, mbs, j, S, nmb, ranks[j], nxt, prv, links)
-        ar = self.own_allreduce_ms(st, rng, ranks[j]) if st.dp > 1 else None
+        ar = None
+        if st.ndev > st.tp:
+            akey = ("ar", j, st, rng[0] == 0, rng[1] == self.model.num_layers)
+            ar = memo.get(akey) if memo is not None else None
+            if ar is None:
+                ar = self.own_allreduce_ms(st, rng, ranks[j])
+                if memo is not None:
+                    memo[akey] = ar
         return c, rec, over, ar, c.total_ms
 
     def _evaluate_plain(self, state: PipeState, batch: int, ranks) -> Evaluation:

@@ -116,10 +116,16 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     warm-started nor balanced and the best configuration so far is returned (a warm
     start that did not get the balancer counts too)."""
     halted = stop if stop is not None else (lambda: False)
-    groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages)
+    # stage groups and budgets depend on the devices only (phase 1 runs again for each
+    # Lbs the polish re-plans): kept on the evaluator
+    gkey = ("groups", blocks.types, blocks.devices(vec), max_stages, base_budget)
+    hit = ev._ranks.get(gkey)
+    if hit is None:
+        groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages)
+        hit = ev._ranks[gkey] = (groups, adaptive_budgets(ev.cost.cluster, groups, base_budget) if groups else [])
+    groups, budgets = hit
     if not groups:
         return None
-    budgets = adaptive_budgets(ev.cost.cluster, groups, base_budget)
     starts = []
     with (phases("warm starts") if phases is not None else nullcontext()):
         for g, budget in zip(groups, budgets):

@@ -1,0 +1,79 @@
+"""Plans of the HPP search, to compare two checkouts: same plans, and the CPU time.
+
+Prints, per case, the predicted iteration time, the cost evaluations, a digest of the
+plan's pipelines and the CPU / wall seconds; ``suite`` prints one digest over every search
+of the seeded suite of tests/planner/test_search_core.py (its three search variants per
+case; no optimum is computed).  Run it with each checkout first on the path, e.g.
+
+    PYTHONPATH=<checkout> python bench/search_plans.py suite 13b:64:1024 175b:1024:1024
+
+A case is ``<gpt3 size>:<devices>:<gbs>`` on bench/search_scaling.py's b2b4 clusters,
+unseeded; a trailing ``s`` on the gbs runs with seeds (``13b:64:1024s``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "planner")]
+
+from eth.cost import CostModel  # noqa: E402
+from eth.errors import InfeasibleError  # noqa: E402
+from eth.model import get_model  # noqa: E402
+from eth.planner.options import SearchOptions  # noqa: E402
+from eth.planner.search import search  # noqa: E402
+from eth.profiles import ProfileDB  # noqa: E402
+
+
+def digest(plan) -> str:
+    text = json.dumps(plan.to_dict()["pipelines"], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def suite_digest() -> str:
+    import test_search_core as core
+    from _planner_data import profiles_for
+    h, n, t = hashlib.sha256(), 0, time.process_time()
+    for name, model, cluster, gbs in core.suite():
+        db = profiles_for(model, cluster)
+        cost = CostModel(model, cluster, db)
+        for label, opts in core.SEARCHES.items():
+            try:
+                plan = search(model, cluster, db, SearchOptions(gbs=gbs, **opts))
+                row = (cost.evaluate(plan)["iteration_ms"], digest(plan))
+            except InfeasibleError:
+                row = ("inf",)
+            h.update(repr((name, label, row)).encode())
+            n += 1
+    return f"suite: {n} searches, digest {h.hexdigest()[:16]}, cpu {time.process_time() - t:.2f} s"
+
+
+def main(argv=None) -> int:
+    from search_scaling import b2b4
+    import eth
+    args = sys.argv[1:] if argv is None else argv
+    print(f"# eth from {Path(eth.__file__).parent}")
+    for case in args:
+        if case == "suite":
+            print(suite_digest(), flush=True)
+            continue
+        size, devices, gbs = case.split(":")
+        seeds = gbs.endswith("s")
+        model, cluster = get_model("gpt3-" + size), b2b4(int(devices))
+        db = ProfileDB()
+        db.ensure(model, cluster.types.values())
+        t, w = time.process_time(), time.perf_counter()
+        plan = search(model, cluster, db, SearchOptions(gbs=int(gbs.rstrip("s")), time_limit=300, seeds=seeds,
+                                                        progress=False))
+        print(f"{case:15s} iter {plan.predicted['iteration_ms']:.4f} ms  evaluations "
+              f"{plan.search.get('cost_evaluations')}  plan {digest(plan)}  cpu {time.process_time() - t:.2f} s  "
+              f"wall {time.perf_counter() - w:.2f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
