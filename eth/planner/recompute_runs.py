@@ -33,7 +33,8 @@ class RunEvaluator(Evaluator):
         if links is None:
             links = self.cost.stage_links(st.device_type, st.tp, ranks, next_ranks, prev_ranks)
         first, last = layers[0] == 0, layers[1] == self.model.num_layers
-        key = (st, first, last, mbs, inflight) + tuple(links)   # all that the fit reads
+        # all that the fit reads; the stage by its fields (a StageState key compares in Python)
+        key = (st.device_type, st.ndev, st.tp, st.layers, first, last, mbs, inflight) + tuple(links)
         hit = self._run_fit.get(key)
         if hit is None:
             hit = super().fit_stage(st, layers, mbs, j, num_stages, nmb, ranks, next_ranks, prev_ranks, links)
