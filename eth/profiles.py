@@ -248,7 +248,7 @@ class DeviceProfile:
 
 OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer")
 """Keys of a profile entry's optional ``overhead_ms`` object, each [fwd_ms, bwd_ms] per
-micro-batch (``megatron.hpp.profiler.stage_overheads``), except "optimizer": [ms per
+micro-batch (``megatron.hpp.profile_overheads.stage_overheads``), except "optimizer": [ms per
 layer, ms per stage] of the step after the backward (docs/FORMATS.md)."""
 
 

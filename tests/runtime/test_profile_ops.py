@@ -80,7 +80,7 @@ def test_file_loads_and_serves_every_entry(measured, capsys):
 def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
     """Every measured entry carries overhead_ms (finite numbers); stage_overheads on
     hand-made rounds gives the per-round differences' medians."""
-    from megatron.hpp.profiler import stage_overheads
+    from megatron.hpp.profile_overheads import stage_overheads
 
     for e in load_profile(measured).data["models"][0]["entries"]:
         oh = e["overhead_ms"]
