@@ -186,6 +186,15 @@ def _replan(search, cand: Candidate, out) -> Candidate:
     return cand
 
 
+def better_trial(search, trial, best: Candidate | None, cand: Candidate) -> Candidate | None:
+    """``trial`` (the group's pipeline results) allocated, if that beats ``best`` (or
+    ``cand`` while there is no best yet); else ``best``: one step of a steepest descent."""
+    got = search._allocate(trial)
+    if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+        return Candidate(got[0], got[1], trial)
+    return best
+
+
 def _descend(search, cand: Candidate, budget: int, out) -> Candidate:
     """Steepest descent over :func:`pipeline_moves` on the whole group's Eq. 2."""
     spent = 0
@@ -201,9 +210,7 @@ def _descend(search, cand: Candidate, budget: int, out) -> Candidate:
                 spent += 1
                 trial = list(cand.results)
                 trial[i] = PipelineResult(r.vec, p.lbs, r.group, state, e, r.ranks)
-                got = search._allocate(trial)
-                if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
-                    best = Candidate(got[0], got[1], trial)
+                best = better_trial(search, trial, best, cand)
         if best is None:
             break
         cand = best

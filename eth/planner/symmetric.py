@@ -42,7 +42,8 @@ from dataclasses import replace
 
 from eth.planner.enumerate import Blocks, make_blocks
 from eth.planner.pipeline import PipelineResult
-from eth.planner.polish import Candidate, finer_microbatches, pipeline_moves, variant_allocation
+from eth.planner.polish import (Candidate, better_trial, finer_microbatches, pipeline_moves,
+                                variant_allocation)
 
 
 def divisors(n: int) -> list[int]:
@@ -149,9 +150,7 @@ def _descend(search, cand: Candidate, budget: int) -> Candidate:
                 continue
             spent += 1
             trial = [PipelineResult(first.vec, lbs, first.group, state, e, first.ranks)] * len(cand.results)
-            got = search._allocate(trial)
-            if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
-                best = Candidate(got[0], got[1], trial)
+            best = better_trial(search, trial, best, cand)
         if best is None:
             break
         cand = best
