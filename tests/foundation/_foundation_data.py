@@ -20,3 +20,13 @@ def flat_profile(device="cpu", model=TINY, mbs=(1, 2), tp=(1, 2)):
             "op_fields": list(OP_FIELDS),
             "models": [{"name": model.name, "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
                         "entries": entries}]}
+
+
+# Aceso's op names, in its order (flex_gpt): ours -> theirs
+ACESO_NAMES = {"embedding": "encoder-embedding", "1st-layernorm": "enc-1st-layernorm", "qkv": "enc-attention-qkv",
+               "score": "enc-attention-score", "softmax": "enc-attention-softmax",
+               "attn-dropout": "enc-attention-dropout", "context": "enc-attention-context",
+               "attn-dense": "enc-attention-dense", "post-attn-dropout": "enc-post-attention-dropout",
+               "2nd-layernorm": "enc-2nd-layernorm", "mlp-gemm-1": "enc-MLP-GEMM-1", "gelu": "enc-MLP-gelu",
+               "mlp-gemm-2": "enc-MLP-GEMM-2", "post-mlp-dropout": "enc-post-MLP-dropout",
+               "final-layernorm": "final-layernorm", "head+loss": "gpt-post-process"}

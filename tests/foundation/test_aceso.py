@@ -11,16 +11,10 @@ from eth.errors import ProfileError
 from eth.model import ALL_OPS, get_model, op_shapes
 from eth.profiles import DeviceProfile, ProfileDB, analytic_profile, load_profile
 
+from _foundation_data import ACESO_NAMES as NAMES
+
 MB = 2 ** 20
 GPT13 = get_model("gpt3-1.3b")
-# Aceso's op names, in its order (flex_gpt): ours -> theirs
-NAMES = {"embedding": "encoder-embedding", "1st-layernorm": "enc-1st-layernorm", "qkv": "enc-attention-qkv",
-         "score": "enc-attention-score", "softmax": "enc-attention-softmax",
-         "attn-dropout": "enc-attention-dropout", "context": "enc-attention-context",
-         "attn-dense": "enc-attention-dense", "post-attn-dropout": "enc-post-attention-dropout",
-         "2nd-layernorm": "enc-2nd-layernorm", "mlp-gemm-1": "enc-MLP-GEMM-1", "gelu": "enc-MLP-gelu",
-         "mlp-gemm-2": "enc-MLP-GEMM-2", "post-mlp-dropout": "enc-post-MLP-dropout",
-         "final-layernorm": "final-layernorm", "head+loss": "gpt-post-process"}
 HEADER = "op_name,forward-compute,backward-compute,input_size,output_size,weights,activations,fwd_reserved,bwd_reserved\n"
 
 

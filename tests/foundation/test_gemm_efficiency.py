@@ -17,6 +17,8 @@ from eth.gemm_efficiency import (GEMM_OPS, GemmEfficiency, aceso_points, efficie
 from eth.model import ALL_OPS, ModelSpec, get_model, op_shapes
 from eth.profiles import GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, analytic_op_costs, load_profile
 
+from _foundation_data import ACESO_NAMES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -139,14 +141,7 @@ def test_fit_recovers_gpu_like_parameters_on_the_aceso_shapes():
     assert curve.peak_eff == pytest.approx(0.9384, rel=1e-9) and stats["rms_rel_err"] < 1e-9
 
 
-# Aceso's op-profile CSV (eth/aceso.py): op names as Aceso writes them, times in us, sizes in MB.
-ACESO_NAMES = {"embedding": "encoder-embedding", "1st-layernorm": "enc-1st-layernorm", "qkv": "enc-attention-qkv",
-               "score": "enc-attention-score", "softmax": "enc-attention-softmax",
-               "attn-dropout": "enc-attention-dropout", "context": "enc-attention-context",
-               "attn-dense": "enc-attention-dense", "post-attn-dropout": "enc-post-attention-dropout",
-               "2nd-layernorm": "enc-2nd-layernorm", "mlp-gemm-1": "enc-MLP-GEMM-1", "gelu": "enc-MLP-gelu",
-               "mlp-gemm-2": "enc-MLP-GEMM-2", "post-mlp-dropout": "enc-post-MLP-dropout",
-               "final-layernorm": "final-layernorm", "head+loss": "gpt-post-process"}
+# Aceso's op-profile CSV (eth/aceso.py): op names as Aceso writes them (ACESO_NAMES), times in us, sizes in MB.
 SMALL = ModelSpec("M", 1, 256, 4, 1024, seq_len=128)
 
 
