@@ -242,7 +242,7 @@ def loadavg() -> str:
 
 def profile_cpu(path: Path, mbs="1,2,4,8,16", tp="1,2", repeats=20) -> str:
     cmd = [sys.executable, str(ROOT / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type", "cpu",
-           "--mbs", mbs, "--tp", tp, "--repeats", str(repeats), "--no-progress", "-o", str(path)]
+           "--mbs", mbs, "--tp", tp, "--repeats", str(repeats), "--real-tp", "--no-progress", "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
     return shlex.join(["python", "tools/profile_ops.py"] + cmd[2:-1] + [f"<tmp>/{path.name}"])
 

@@ -49,17 +49,19 @@ class _GradSink:
         return hook
 
 
-def build_stages(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
+def build_stages(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int,
+                 group=None) -> dict:
     """{name: GPTStage}: the runtime's stage (embedding, layers, head + loss) at one tp
     rank's shard shapes, with the runtime's gradient accumulation hooks: "s1" and "s2"
     (1 and 2 layers), "s1-rec" (1 layer recomputed whole: one checkpoint of all its
-    ops) and "s1-rec1" (1 layer, its last op recomputed: a checkpoint of one op)."""
+    ops) and "s1-rec1" (1 layer, its last op recomputed: a checkpoint of one op); ``group``:
+    the tp process group (default a fake one of size ``tp``)."""
     from megatron.hpp.compat import Backend, setup_rng
     from megatron.hpp.model import GPTStage
 
     from eth.model import layer_ops
 
-    group = _fake_tp_group(tp)
+    group = _fake_tp_group(tp) if group is None else group
     ops = layer_ops(spec)
     shapes = {"s1": (1, {}), "s2": (2, {}), "s1-rec": (1, {op: 1 for op in ops}),
               "s1-rec1": (1, {ops[-1]: 1})}
