@@ -37,7 +37,9 @@ existing measured file.  What is measured and how:
   stage again after the core idled (``profile_overheads.WAKE_PAUSE_S``); what they cost beyond the ops
   (per layer, per stage call, per checkpoint, the wake-up) is
   :func:`megatron.hpp.profile_overheads.stage_overheads`,
-  the step after the backward ``profile_overheads.time_optimizer`` (docs/FORMATS.md).
+  the step after the backward ``profile_overheads.time_optimizer``, the rest of the
+  training step (end-of-step all-reduces, data) ``profile_overheads.time_step``
+  (docs/FORMATS.md).
 * weight_bytes: bytes of the parameters (this tp rank's shard) that receive a gradient
   in the op's backward.
 * act_bytes: measured with ``torch.autograd.graph.saved_tensors_hooks``: the sum over
@@ -472,7 +474,8 @@ def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, prog
 
 def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, progress=None) -> list[dict]:
     """:func:`measure_entries` for one tp degree, the modules on the tp process group ``group``."""
-    from megatron.hpp.profile_overheads import WAKE_PAUSE_S, build_stages, stage_overheads, time_optimizer
+    from megatron.hpp.profile_overheads import (WAKE_PAUSE_S, build_stages, stage_overheads, time_optimizer,
+                                                time_step)
 
     dtype = torch_dtype(cfg.dtype)
     entries = []
@@ -503,6 +506,10 @@ def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, pr
             # [ms per layer, ms per stage]
             entry["overhead_ms"]["optimizer"] = [round(step[1] - step[0], 6),
                                                  round(2 * step[0] - step[1], 6)]
+            # CPU: after an idle pause, as the runtime's ranks run it (after an emulation sleep
+            # or a wait for their peers)
+            entry["overhead_ms"]["step"] = time_step(cfg.model, mbs, device, cfg.repeats, cfg.warmup, cfg.seed,
+                                                     WAKE_PAUSE_S if device.type == "cpu" else 0.0)
         if device.type == "cuda":
             context = _context_bytes(device)
             entry["reserved_bytes"] = context + workspace

@@ -84,7 +84,8 @@ def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
 
     for e in load_profile(measured).data["models"][0]["entries"]:
         oh = e["overhead_ms"]
-        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer"}
+        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer", "step"}
+        assert oh["step"][0] > 0 and oh["step"][1] > 0
         assert all(math.isfinite(v) for pair in oh.values() for v in pair)
     from eth.model import all_ops, layer_ops
 
@@ -119,7 +120,7 @@ def test_no_overheads_flag_times_the_ops_only(tmp_path, capsys):
                 "-o", str(path), *FAST]) == 0
     entry = load_profile(path).data["models"][0]["entries"][0]
     assert "overhead_ms" not in entry and set(entry["ops"]) == set(ALL_OPS)
-    assert ProfileDB.load(path).overheads("cpu", TINY, 2, 1) == (0.0,) * 12
+    assert ProfileDB.load(path).overheads("cpu", TINY, 2, 1) == (0.0,) * 14
 
 
 def test_weight_bytes_equal_the_formula_in_the_dtype(measured):
