@@ -602,7 +602,7 @@ def profile_dict(cfg: ProfileConfig, entries: list[dict], prov: dict, collective
     """A version-1 profile JSON dict holding one model shape."""
     model = {"name": cfg.model.name, "shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS},
              "provenance": prov, "entries": entries}
-    if cfg.real_tp:   # tp > 1 timed on a real tp group: its collectives are in the op times
+    if cfg.real_tp and max(cfg.tp) > 1:   # tp > 1 timed on a real tp group: its collectives are in the op times
         model["tp_comm_included"] = True
     # one shard timed on a fake tp group: the tp all-reduces are not in the op times
     data = {"version": PROFILE_VERSION, "device": cfg.device_type, "source": "measured",
