@@ -314,7 +314,9 @@ def concurrency_ratios(real: Path, fake: Path, mbs: int) -> dict:
 
     model = get_model("tiny")
     r, f = (ProfileDB.load(p).get("cpu").layer_costs(model, mbs, 2)[0] for p in (real, fake))
-    ratio = lambda ops: sum(r[o].fwd_ms + r[o].bwd_ms for o in ops) / sum(f[o].fwd_ms + f[o].bwd_ms for o in ops)  # noqa: E731
+    def ratio(ops):
+        return sum(r[o].fwd_ms + r[o].bwd_ms for o in ops) / sum(f[o].fwd_ms + f[o].bwd_ms for o in ops)
+
     return {"local_ops": ratio(LOCAL_OPS), "comm_ops": ratio(COMM_OPS)}
 
 

@@ -516,8 +516,8 @@ def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, pr
             entry["reserved_detail"] = {"context_bytes": context, "workspace_bytes": workspace}
         entries.append(entry)
         del env
-    del ops, stage, layer, runtime
-    if device.type == "cuda":
+    if device.type == "cuda":   # the modules are freed on return; their cached blocks here
+        del ops, stage, layer
         torch.cuda.empty_cache()
     return entries
 
