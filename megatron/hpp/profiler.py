@@ -516,8 +516,8 @@ def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, pr
             entry["reserved_detail"] = {"context_bytes": context, "workspace_bytes": workspace}
         entries.append(entry)
         del env
-    if device.type == "cuda":   # the modules are freed on return; their cached blocks here
-        del ops, stage, layer
+    if device.type == "cuda":   # free the modules and return their cached blocks
+        ops = stage = layer = runtime = None
         torch.cuda.empty_cache()
     return entries
 
