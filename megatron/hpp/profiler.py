@@ -479,7 +479,7 @@ def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, pr
 
     dtype = torch_dtype(cfg.dtype)
     entries = []
-    ops, stage, layer = build_ops(cfg.model, tp, device, dtype, cfg.seed, group)
+    ops = build_ops(cfg.model, tp, device, dtype, cfg.seed, group)[0]   # holds the stage and layer
     runtime = build_stages(cfg.model, tp, device, dtype, cfg.seed, group) if cfg.overheads else None
     for mbs in cfg.mbs:
         env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
@@ -517,7 +517,7 @@ def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, pr
         entries.append(entry)
         del env
     if device.type == "cuda":   # free the modules and return their cached blocks
-        ops = stage = layer = runtime = None
+        ops = runtime = None
         torch.cuda.empty_cache()
     return entries
 
