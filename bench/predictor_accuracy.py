@@ -3,7 +3,9 @@
     OMP_NUM_THREADS=1 python bench/predictor_accuracy.py            # ~4 min on 2 cores
 
 1. Profiles the CPU with ``tools/profile_ops.py`` (tiny model, fp32, mbs 1,2,4,8,16,
-   tp 1,2; thread CPU time, so other processes on the machine do not inflate it)
+   tp 1,2 with ``--real-tp``: tp 2 timed by 2 processes on a real gloo group, as the
+   runtime runs it, collectives included; thread CPU time, so other processes on the
+   machine do not inflate it)
    unless ``--profile FILE`` names a measured profile to use.
 2. Builds the configurations of :data:`CONFIGS` (tiny GPT, fp32, gbs 16; homogeneous
    and heterogeneous through ``emulate_speed``, 1-3 pipelines, tp and dp stages, with
@@ -11,11 +13,12 @@
    (emulated types: the ``cpu`` profile / speed, ``eth.profiles.emulated_profile``), and
    runs it under torchrun on gloo (one launch per configuration, this file's
    ``--worker`` mode: ``megatron.hpp.training.Trainer``, synthetic data).
-   Right before each run it profiles the plan's (mbs, tp) again (``--repeats 20``;
-   ``--no-adjacent`` skips it) and predicts from that profile too: the host's speed
-   drifts by tens of percent within minutes, and a profile taken first and runs taken
-   later show that drift as a one-sided error.  The host drift (adjacent / start op
-   times) is printed next to the raw and the adjacent errors.
+   Right before and right after each run it profiles the plan's (mbs, tp) again
+   (``--repeats 20``; ``--no-adjacent`` skips it) and predicts from the mean of the two
+   too: the host's speed drifts by tens of percent within minutes, and a profile taken
+   first and runs taken later show that drift as a one-sided error.  The host drift
+   (adjacent / start op times, before / after) is printed next to the raw and the
+   adjacent errors.
 3. Prints and writes (``bench/results/predictor_accuracy.md`` and ``.json``, with the
    command, the commit and the load average before and after every run) predicted vs
    measured:
@@ -23,7 +26,9 @@
    * iteration time: Eq. 5 (``plan.predicted["iteration_ms"]``) vs the median wall time
      of the steady iterations (after ``--warmup`` iterations);
    * compute per pipeline: sum over its micro-batches of the slowest stage's forward +
-     backward (op times + recompute, without tp collectives and p2p) vs the runtime's
+     backward (op times + recompute + overheads, without the cost model's own tp
+     collectives and p2p; with ``--real-tp`` profiles the tp collectives' CPU time is in
+     the op times, as it is in the runtime's thread CPU time) vs the runtime's
      ``compute ms`` (``schedule.ComputeClock``: thread CPU time / emulate_speed, max over
      the pipeline's ranks), median over steady iterations;
    * memory per rank: the cost model's model states + in-flight activations (its
@@ -240,9 +245,10 @@ def loadavg() -> str:
         return "n/a"
 
 
-def profile_cpu(path: Path, mbs="1,2,4,8,16", tp="1,2", repeats=20) -> str:
+def profile_cpu(path: Path, mbs="1,2,4,8,16", tp="1,2", repeats=20, real_tp=True) -> str:
     cmd = [sys.executable, str(ROOT / "tools" / "profile_ops.py"), "--model", "tiny", "--device-type", "cpu",
-           "--mbs", mbs, "--tp", tp, "--repeats", str(repeats), "--no-progress", "-o", str(path)]
+           "--mbs", mbs, "--tp", tp, "--repeats", str(repeats)] + (["--real-tp"] if real_tp else []) + [
+           "--no-progress", "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
     return shlex.join(["python", "tools/profile_ops.py"] + cmd[2:-1] + [f"<tmp>/{path.name}"])
 
@@ -284,6 +290,49 @@ def host_drift(start: Path, adjacent: Path) -> float:
     return num / den
 
 
+def mean_prediction(a: dict, b: dict) -> dict:
+    """The mean of two :func:`predict` results (from the profiles taken right before and
+    right after a run: the host's drift during the run is then half in each)."""
+    return {"iteration_ms": (a["iteration_ms"] + b["iteration_ms"]) / 2,
+            "compute_ms": [(x + y) / 2 for x, y in zip(a["compute_ms"], b["compute_ms"])],
+            "memory_bytes": [(x + y) / 2 for x, y in zip(a["memory_bytes"], b["memory_bytes"])]}
+
+
+LOCAL_OPS = ("1st-layernorm", "softmax", "2nd-layernorm", "gelu")
+"""tp 2 ops without any tp collective in their forward or backward (no sequence parallelism)."""
+COMM_OPS = ("embedding", "qkv", "attn-dense", "mlp-gemm-1", "mlp-gemm-2", "head+loss")
+"""tp 2 ops with a tp collective in their forward or backward."""
+
+
+def concurrency_ratios(real: Path, fake: Path, mbs: int) -> dict:
+    """Op times (fwd + bwd) at (mbs, tp 2) of a ``--real-tp`` profile (2 processes
+    computing at once, one per core, on a real gloo group) / a fake-group profile (one
+    process): over :data:`LOCAL_OPS` the slowdown of compute when the other core computes
+    too (no communication in them), over :data:`COMM_OPS` that and the tp collectives."""
+    from eth.model import get_model
+    from eth.profiles import ProfileDB
+
+    model = get_model("tiny")
+    r, f = (ProfileDB.load(p).get("cpu").layer_costs(model, mbs, 2)[0] for p in (real, fake))
+    def ratio(ops):
+        return sum(r[o].fwd_ms + r[o].bwd_ms for o in ops) / sum(f[o].fwd_ms + f[o].bwd_ms for o in ops)
+
+    return {"local_ops": ratio(LOCAL_OPS), "comm_ops": ratio(COMM_OPS)}
+
+
+def concurrency_line(profile: Path, tmp: Path) -> tuple:
+    """(line, ratios, command): the start profile's tp 2 shard (``--real-tp``) against the
+    same shard profiled in one process on a fake group right after it."""
+    load = loadavg()
+    fake = tmp / "cpu-fake-tp.json"
+    cmd = profile_cpu(fake, "4", "2", real_tp=False) + f"   # load {load} -> {loadavg()}"
+    conc = concurrency_ratios(profile, fake, 4)
+    line = (f"concurrency (mbs 4, tp 2): real-group / one-process op times: ops without tp collectives "
+            f"({', '.join(LOCAL_OPS)}) {conc['local_ops']:.2f}, ops with them ({', '.join(COMM_OPS)}) "
+            f"{conc['comm_ops']:.2f}; one-process profile: `{cmd}`")
+    return line, conc, cmd
+
+
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -321,7 +370,7 @@ def rows_for(name, desc, pred, meas, load, adj=None, drift=None) -> list[str]:
                      for i, (p, m) in enumerate(zip(pred["compute_ms"], meas["compute_ms"])))
     mem = "; ".join(f"r{r} {p * mib:.2f} / {m * mib:.2f} ({_err(p, m)})"
                     for r, (p, m) in enumerate(zip(pred["memory_bytes"], meas["memory_bytes"])))
-    drift_col = f" {drift:.2f} |" if drift is not None else " - |"
+    drift_col = f" {drift[0]:.2f} / {drift[1]:.2f} |" if drift is not None else " - |"
     return [f"| {name} | {desc} | {pred['iteration_ms']:.1f} / {meas['iteration_ms']:.1f} "
             f"({_err(pred['iteration_ms'], meas['iteration_ms'])}){adj_err('iteration_ms')} | {comp} |"
             f"{drift_col} {mem} | {load} |"]
@@ -374,6 +423,12 @@ def main(argv=None) -> int:
             load0 = loadavg()
             prof_cmd = profile_cpu(profile) + f"   # load {load0} -> {loadavg()}"
             print(f"profiled: {prof_cmd}", flush=True)
+        conc = fake_cmd = None
+        conc_line = "concurrency: not measured (--profile given)"
+        if not args.profile:
+            conc_line, conc, fake_cmd = concurrency_line(profile, tmp)
+            print(conc_line, flush=True)
+
         rows, records = [], []
         for name in names:
             desc, build = CONFIGS[name]
@@ -384,14 +439,17 @@ def main(argv=None) -> int:
             plan.save(plan_path)
             adj = drift = adj_cmd = None
             if not args.no_adjacent:
-                adj_path = tmp / f"cpu-{name}.json"
+                before, after = tmp / f"cpu-{name}-before.json", tmp / f"cpu-{name}-after.json"
                 mbs_list, tp_list = plan_shapes(plan)
-                adj_cmd = profile_cpu(adj_path, mbs_list, tp_list, ADJ_REPEATS)
-                adj = predict(build(), ProfileDB.load(adj_path))
-                drift = host_drift(profile, adj_path)
+                adj_cmd = profile_cpu(before, mbs_list, tp_list, ADJ_REPEATS)
             load_before = loadavg()
             meas = run_config(plan_path, plan.world_size, tmp / f"{name}.out.json", args.warmup, args.iters)
             load = f"{load_before} -> {loadavg()}"
+            if not args.no_adjacent:
+                profile_cpu(after, mbs_list, tp_list, ADJ_REPEATS)
+                adj = mean_prediction(predict(build(), ProfileDB.load(before)),
+                                      predict(build(), ProfileDB.load(after)))
+                drift = (host_drift(profile, before), host_drift(profile, after))
             rows += rows_for(name, desc, pred, meas, load, adj, drift)
             records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
                             "predicted_without_overheads": bare,
@@ -417,7 +475,7 @@ def main(argv=None) -> int:
         adj_t = [r["predicted_adjacent"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
         adj_c = [p / m - 1 for r in records
                  for p, m in zip(r["predicted_adjacent"]["compute_ms"], r["measured"]["compute_ms"])]
-        drifts = [r["host_drift"] for r in records]
+        drifts = [d for r in records for d in r["host_drift"]]
         summary += (f"\nadjacent-profile error range: iteration {min(adj_t):+.1%} .. {max(adj_t):+.1%}, "
                     f"compute per pipeline {min(adj_c):+.1%} .. {max(adj_c):+.1%}; host drift "
                     f"{min(drifts):.2f} .. {max(drifts):.2f}")
@@ -429,21 +487,24 @@ def main(argv=None) -> int:
         f"emulated types: cpu-a emulate_speed {SPEED_A}, cpu-b {SPEED_B}; tiny GPT, fp32, gbs {GBS}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations (medians)  ",
         "adjacent profiles: " + ("none (--no-adjacent)" if args.no_adjacent else
-                                 f"before every run, the plan's (mbs, tp) only, --repeats {ADJ_REPEATS}"), "",
-        *header, *rows, "", summary, "",
+                                 f"right before and right after every run, the plan's (mbs, tp) only, "
+                                 f"--repeats {ADJ_REPEATS}"), "",
+        *header, *rows, "", summary, "", conc_line, "",
         "Predicted: `eth.cost.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
         "slowest stage's forward + backward x micro-batches, without tp collectives and p2p, "
-        "with the profile's measured runtime overheads (per layer, per stage call, and for "
-        "emulated types the wake-up after each emulation sleep); "
+        "with the profile's measured runtime overheads (per layer, per stage call, per "
+        "checkpoint, for emulated types the wake-up after each emulation sleep; in the "
+        "iteration also the optimizer step and the rest of the step: end-of-step "
+        "all-reduces, data); "
         "per rank model states + activations, reserved bytes left out).  [adj. X: e] is the "
-        "same prediction from a profile of the plan's (mbs, tp) measured right before the run, "
-        "and its error; drift = that profile's op times / the start profile's (> 1: the host "
-        "was slower at the run than at the start).  The raw errors are against the start "
+        "mean of the same prediction from two profiles of the plan's (mbs, tp) measured right "
+        "before and right after the run, and its error; drift = those profiles' op times / the "
+        "start profile's, before / after (> 1: the host was slower than at the start; before "
+        "and after apart: it changed during the run).  The raw errors are against the start "
         "profile, as a planner would use it.  Measured: median wall "
         "time of the timed iterations; the runtime's compute per pipeline (thread CPU time / "
         "emulate_speed, slowest rank); peak tensor bytes (torch.profiler, first 2 iterations).  "
-        "Eq. 5 has no optimizer step, loss / norm all-reduces or data loading: they are in the "
-        "measured iteration.  The emulated types need about one core for all ranks together: "
+        "The emulated types need about one core for all ranks together: "
         "with the load average above the core count, ranks wait for a core longer than the "
         "emulation sleeps and measured times grow with the load (see the load column).", ""])
     out_dir = Path(args.out_dir)
@@ -452,7 +513,8 @@ def main(argv=None) -> int:
 
     atomic_write_text(out_dir / "predictor_accuracy.md", text)
     atomic_write_text(out_dir / "predictor_accuracy.json", json.dumps(
-        {"command": command, "commit": _commit(), "profile": prof_cmd, "configs": records}, indent=1) + "\n")
+        {"command": command, "commit": _commit(), "profile": prof_cmd, "concurrency": conc,
+         "concurrency_profile": fake_cmd, "configs": records}, indent=1) + "\n")
     print(summary)
     print(f"wrote {out_dir / 'predictor_accuracy.md'} and .json")
     return 0

@@ -62,7 +62,9 @@ gradients; ZeRO's reduce-scatter + all-gather), reduced over N = sum over pipeli
 of the dp degree of the stage that holds the block (one participant per replica),
 over the slowest link among its holders.  Iteration time of a plan
 (:meth:`CostModel.evaluate`) is max over pipelines and stages of Te + the stage's
-optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only).
+optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only) and the rest of
+the training step outside the compute calls (:meth:`CostModel.step_ms`: end-of-step
+all-reduces, data; measured profiles only).
 """
 from __future__ import annotations
 
@@ -370,6 +372,16 @@ class CostModel:
         ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
         return ms / stage.dp if self.setup.zero_stage > 0 else ms
 
+    def step_ms(self, pipeline, stage) -> float:
+        """The training step on one rank of ``stage`` outside its compute calls and the
+        optimizer (measured profiles' overhead_ms "step": per iteration, the gradient-norm
+        and statistics all-reduces; per sample of the rank's share of the pipeline's batch,
+        Lbs / dp, the data fetch), added to the stage's Eq. 5 end time; 0 without the field."""
+        if not self.profiles.get(stage.device_type).has_overheads:
+            return 0.0
+        oh = self.profiles.overheads(stage.device_type, self.model, pipeline.mbs // stage.dp, stage.tp)
+        return oh[12] + pipeline.lbs / stage.dp * oh[13]
+
     def _peak_extra(self, params: float, activations: float) -> float:
         """Bytes above the model states at the device's peak: the activation peak, or the
         optimizer step's (ZeRO 1/2: the updated weights all-gathered into a full buffer
@@ -521,7 +533,7 @@ class CostModel:
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
             ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
-            ends = [e + self.optimizer_ms(p.mbs, s) for e, s in zip(ends, p.stages)]
+            ends = [e + self.optimizer_ms(p.mbs, s) + self.step_ms(p, s) for e, s in zip(ends, p.stages)]
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):

@@ -246,10 +246,12 @@ class DeviceProfile:
         return sorted(table) if table else None
 
 
-OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer")
+OVERHEAD_KEYS = ("layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer", "step")
 """Keys of a profile entry's optional ``overhead_ms`` object, each [fwd_ms, bwd_ms] per
 micro-batch (``megatron.hpp.profile_overheads.stage_overheads``), except "optimizer": [ms per
-layer, ms per stage] of the step after the backward (docs/FORMATS.md)."""
+layer, ms per stage] of the step after the backward, and "step": [ms per iteration, ms per
+sample] of the training step outside the compute calls (``profile_overheads.time_step``:
+the end-of-step all-reduces, the data of each micro-batch) (docs/FORMATS.md)."""
 
 
 def _overhead_row(entry: dict, where: str) -> tuple:
@@ -413,7 +415,8 @@ def emulated_profile(base: dict, model: ModelSpec, name: str, speed: float) -> d
                                         "checkpoint": [oh[6] / speed, oh[7] / speed],
                                         "checkpoint_op": [oh[8] / speed, oh[9] / speed],
                                         # the runtime does not stretch the optimizer step
-                                        "optimizer": [oh[10], oh[11]]}
+                                        # nor the step's collectives and data
+                                        "optimizer": [oh[10], oh[11]], "step": [oh[12], oh[13]]}
             entries.append(entry)
         models.append(dict(m, entries=entries))
     data = dict(base, device=name, models=models)

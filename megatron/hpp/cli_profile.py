@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-overheads", action="store_true",
                    help="time the ops only: no runtime stages (1-2 layers, recomputed ones, an optimizer "
                         "step; they hold memory) and no overhead_ms in the entries")
+    p.add_argument("--real-tp", action="store_true",
+                   help="CPU: time tp > 1 with tp processes on a real gloo tp group (as the runtime runs a tp "
+                        "stage), the tp collectives inside the op times (the profile says tp_comm_included); "
+                        "default: one process, a fake tp group, the shard's compute only")
     p.add_argument("--force", action="store_true",
                    help="file CPU timings under a GPU/NPU --device-type all the same")
     return p.parse_args(argv)
@@ -73,7 +77,8 @@ def _main(argv=None) -> int:
 
     cfg = profiler.ProfileConfig(model, args.device_type, mbs, tp,
                                  args.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
-                                 args.repeats, args.warmup, args.seed, overheads=not args.no_overheads)
+                                 args.repeats, args.warmup, args.seed, overheads=not args.no_overheads,
+                                 real_tp=args.real_tp)
     device = profiler.local_device()
     warning = profiler.device_type_warning(cfg.device_type, device)
     if warning and device.type == "cpu" and _is_accelerator(cfg.device_type) and not args.force:

@@ -7,12 +7,14 @@ one op and with a whole layer recomputed, with the runtime's gradient-accumulati
 :func:`build_stages`) is timed in the same rounds as the ops
 (:func:`megatron.hpp.profiler.time_in_sequence`), once more after the core idled
 (:data:`WAKE_PAUSE_S`); :func:`stage_overheads` turns the rounds into per-layer,
-per-stage-call, per-checkpoint and wake-up costs, and :func:`time_optimizer` times the
-step after the backward.  The planner's cost model adds them (``eth.cost``).
+per-stage-call, per-checkpoint and wake-up costs, :func:`time_optimizer` times the
+step after the backward and :func:`time_step` the rest of the training step outside the
+compute calls (end-of-step all-reduces, data).  The planner's cost model adds them (``eth.cost``).
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -49,17 +51,19 @@ class _GradSink:
         return hook
 
 
-def build_stages(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
+def build_stages(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int,
+                 group=None) -> dict:
     """{name: GPTStage}: the runtime's stage (embedding, layers, head + loss) at one tp
     rank's shard shapes, with the runtime's gradient accumulation hooks: "s1" and "s2"
     (1 and 2 layers), "s1-rec" (1 layer recomputed whole: one checkpoint of all its
-    ops) and "s1-rec1" (1 layer, its last op recomputed: a checkpoint of one op)."""
+    ops) and "s1-rec1" (1 layer, its last op recomputed: a checkpoint of one op); ``group``:
+    the tp process group (default a fake one of size ``tp``)."""
     from megatron.hpp.compat import Backend, setup_rng
     from megatron.hpp.model import GPTStage
 
     from eth.model import layer_ops
 
-    group = _fake_tp_group(tp)
+    group = _fake_tp_group(tp) if group is None else group
     ops = layer_ops(spec)
     shapes = {"s1": (1, {}), "s2": (2, {}), "s1-rec": (1, {op: 1 for op in ops}),
               "s1-rec1": (1, {ops[-1]: 1})}
@@ -116,6 +120,68 @@ def time_optimizer(stage, device: torch.device, repeats: int, warmup: int) -> fl
         if i >= warmup:
             times.append(t)
     return statistics.median(times)
+
+
+def time_step(spec: ModelSpec, mbs: int, device: torch.device, repeats: int, warmup: int,
+              seed: int = 1234, pause: float = 0.0) -> list:
+    """[ms per iteration, ms per sample] of the runtime's training step outside its
+    compute calls and the optimizer (``megatron.hpp.training.Trainer.step``), medians:
+
+    * per sample: ``Trainer.batch`` of one micro-batch (``megatron.hpp.data.batch`` of the
+      synthetic source, to the device, inputs and labels sliced) / ``mbs``;
+    * per iteration (CPU): the step's three small all-reduces on a gloo group of this one
+      process (the gradient norm's; the loss / compute / memory statistics', a sum and a
+      max) with the ``.item()`` / ``float()`` reads around them and the peak-memory
+      query.  With more ranks a collective also waits for the slowest one: Eq. 5's max
+      over stages holds that, not this term.  CUDA: 0 (the step runs nccl there; not
+      measured).
+
+    ``pause`` (s): the core idles that long before every timed repeat (the profiler gives
+    ``WAKE_PAUSE_S`` on the CPU: the runtime's ranks run these right after an emulation
+    sleep or a wait for their peers, and a cold core costs 3-5x the back-to-back time)."""
+    import resource
+
+    import torch.distributed as dist
+
+    from megatron.hpp.data import SyntheticData, batch
+
+    source = SyntheticData(spec.vocab, spec.seq_len, seed)
+    clock, data = _Clock(device), []
+    for i in range(warmup + repeats):
+        if pause:
+            time.sleep(pause)
+        clock.start()
+        tokens = batch(source, i, 0, mbs).to(device)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        t = clock.stop()
+        if i >= warmup:
+            data.append(t / mbs)
+    del inputs, labels
+    if device.type != "cpu":
+        return [0.0, round(statistics.median(data), 6)]
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    wall, step = _Clock(device, cpu_time=False), []
+    max_opts = dist.AllreduceOptions()
+    max_opts.reduceOp = dist.ReduceOp.MAX
+    loss = torch.zeros((), dtype=torch.float64)
+    for i in range(warmup + repeats):
+        if pause:
+            time.sleep(pause)
+        wall.start()
+        sq = torch.zeros(1, dtype=torch.float32)
+        group.allreduce([sq]).wait()
+        float(sq.sqrt())
+        stats = torch.zeros(3, dtype=torch.float64)
+        stats[0] = loss.item()
+        stats[2] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        summed = stats.clone()
+        group.allreduce([summed]).wait()
+        group.allreduce([stats], max_opts).wait()
+        float(summed[0]), stats[1:].tolist()
+        t = wall.stop()
+        if i >= warmup:
+            step.append(t)
+    return [round(statistics.median(step), 6), round(statistics.median(data), 6)]
 
 
 def stage_overheads(times: dict, spec: ModelSpec, wake: bool) -> dict:

@@ -17,6 +17,9 @@ existing measured file.  What is measured and how:
   tp (torch's ``FakeProcessGroup``, rank 0): megatron-core then allocates the rank-0
   shards and every tp collective is a no-op, so the numbers are the compute of one
   shard; the cost model adds tp collectives itself (``eth.model.tp_allreduces``).
+  With ``real_tp`` (CPU, ``--real-tp``) tp > 1 is measured by tp processes on a real
+  gloo group instead (:func:`_real_tp_entries`), the collectives inside the op times, and
+  the profile's model entry says ``"tp_comm_included": true``.
 * Inputs.  One forward of embedding -> layer -> final layernorm on a random
   micro-batch ([seq, mbs, hidden] activations) gives every op realistic inputs; each
   measurement feeds the op fresh leaf copies (float inputs require grad).
@@ -34,7 +37,9 @@ existing measured file.  What is measured and how:
   stage again after the core idled (``profile_overheads.WAKE_PAUSE_S``); what they cost beyond the ops
   (per layer, per stage call, per checkpoint, the wake-up) is
   :func:`megatron.hpp.profile_overheads.stage_overheads`,
-  the step after the backward ``profile_overheads.time_optimizer`` (docs/FORMATS.md).
+  the step after the backward ``profile_overheads.time_optimizer``, the rest of the
+  training step (end-of-step all-reduces, data) ``profile_overheads.time_step``
+  (docs/FORMATS.md).
 * weight_bytes: bytes of the parameters (this tp rank's shard) that receive a gradient
   in the op's backward.
 * act_bytes: measured with ``torch.autograd.graph.saved_tensors_hooks``: the sum over
@@ -105,6 +110,11 @@ class ProfileConfig:
     overheads: bool = True
     """Also time the runtime's stage (1 and 2 layers) in every round and record what it
     costs beyond its ops (entry field ``overhead_ms``, :mod:`megatron.hpp.profile_overheads`)."""
+    real_tp: bool = False
+    """CPU: time tp > 1 on a real gloo tp group of tp processes (:func:`_real_tp_entries`),
+    as the runtime runs a tp stage, so that the op times include the tp collectives (the
+    profile then says ``tp_comm_included``); False: one process, a fake group, the shard's
+    compute only."""
 
     def __post_init__(self):
         object.__setattr__(self, "mbs", tuple(self.mbs))
@@ -121,6 +131,9 @@ class ProfileConfig:
             raise SpecError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.repeats < 1 or self.warmup < 0:
             raise SpecError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if self.real_tp and torch.cuda.is_available():
+            raise SpecError("--real-tp runs the tp ranks as gloo processes on the CPU; on GPUs "
+                            "it is not implemented (profile with the fake tp group)")
 
 
 # ----------------------------------------------------------------------------------
@@ -236,15 +249,16 @@ class _Op:
     params: list
 
 
-def build_ops(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int):
-    """(ops in ``all_ops(spec)`` order, stage, layer): the runtime's modules for one rank of ``tp``.
+def build_ops(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, seed: int, group=None):
+    """(ops in ``all_ops(spec)`` order, stage, layer): the runtime's modules for one rank of ``tp``
+    (``group``: the tp process group; default a fake one of size ``tp``).
 
     Needs an initialised torch.distributed (see :func:`_initialised_default_group`).
     """
     from megatron.hpp.compat import Backend, setup_rng
     from megatron.hpp.model import INIT_STD, GPTStage, Layer
 
-    group = _fake_tp_group(tp)
+    group = _fake_tp_group(tp) if group is None else group
     tracker = setup_rng(Backend("nccl" if device.type == "cuda" else "gloo", device), seed, seed, 0)
     layer = Layer(spec, 0, group, tracker, frozenset())
     gen = torch.Generator().manual_seed(seed)
@@ -437,54 +451,122 @@ def _context_bytes(device: torch.device) -> float:
 def measure_entries(cfg: ProfileConfig, device: torch.device | None = None, progress=None) -> list[dict]:
     """Profile entries ({"mbs", "tp", "reserved_bytes", "ops"}) for every (mbs, tp).
 
-    ``progress`` (optional) is called once per measured op with (mbs, tp, op name).
+    ``progress`` (optional) is called once per measured op with (mbs, tp, op name)
+    (with ``cfg.real_tp``, for tp > 1 once per op after the tp processes are done).
     """
-    from megatron.hpp.profile_overheads import WAKE_PAUSE_S, build_stages, stage_overheads, time_optimizer
     from megatron.hpp.compat import quiet_megatron_warnings
 
     quiet_megatron_warnings()
     device = device or local_device()
-    dtype = torch_dtype(cfg.dtype)
     entries = []
     with _initialised_default_group():
         for tp in cfg.tp:
-            ops, stage, layer = build_ops(cfg.model, tp, device, dtype, cfg.seed)
-            runtime = build_stages(cfg.model, tp, device, dtype, cfg.seed) if cfg.overheads else None
-            for mbs in cfg.mbs:
-                env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
-                rows, workspace, held = {}, 0.0, set()
-                stages = None
-                if runtime is not None:
-                    def call(n, tokens=env["tokens"], labels=env["labels"]):
-                        return lambda: runtime[n](tokens, labels, 1.0)
-                    stages = {n: (call(n), 0.0) for n in runtime}
-                    if device.type == "cpu":
-                        stages["s1-wake"] = (call("s1"), WAKE_PAUSE_S)
-                times = time_in_sequence(ops, env, device, cfg.repeats, cfg.warmup, stages)
-                for op in ops:
-                    m = measure_sizes(op, env, device, held)
-                    m["fwd_ms"], m["bwd_ms"] = times[op.name]
-                    rows[op.name] = [m[f] for f in OP_FIELDS]
-                    workspace = max(workspace, m["workspace_bytes"])
-                    if progress is not None:
-                        progress(mbs, tp, op.name)
-                entry = {"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": rows}
-                if stages:
-                    entry["overhead_ms"] = stage_overheads(times, cfg.model, device.type == "cpu")
-                    step = [time_optimizer(runtime[n], device, cfg.repeats, cfg.warmup) for n in ("s1", "s2")]
-                    # [ms per layer, ms per stage]
-                    entry["overhead_ms"]["optimizer"] = [round(step[1] - step[0], 6),
-                                                         round(2 * step[0] - step[1], 6)]
-                if device.type == "cuda":
-                    context = _context_bytes(device)
-                    entry["reserved_bytes"] = context + workspace
-                    entry["reserved_detail"] = {"context_bytes": context, "workspace_bytes": workspace}
-                entries.append(entry)
-                del env
-            del ops, stage, layer, runtime
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if cfg.real_tp and tp > 1:
+                entries += _real_tp_entries(cfg, tp)
+                if progress is not None:
+                    for mbs in cfg.mbs:
+                        for name in all_ops(cfg.model):
+                            progress(mbs, tp, name)
+            else:
+                entries += _entries_for_tp(cfg, tp, device, _fake_tp_group(tp), progress)
     return entries
+
+
+def _entries_for_tp(cfg: ProfileConfig, tp: int, device: torch.device, group, progress=None) -> list[dict]:
+    """:func:`measure_entries` for one tp degree, the modules on the tp process group ``group``."""
+    from megatron.hpp.profile_overheads import (WAKE_PAUSE_S, build_stages, stage_overheads, time_optimizer,
+                                                time_step)
+
+    dtype = torch_dtype(cfg.dtype)
+    entries = []
+    ops = build_ops(cfg.model, tp, device, dtype, cfg.seed, group)[0]   # holds the stage and layer
+    runtime = build_stages(cfg.model, tp, device, dtype, cfg.seed, group) if cfg.overheads else None
+    for mbs in cfg.mbs:
+        env = op_inputs(cfg.model, ops, mbs, device, cfg.seed)
+        rows, workspace, held = {}, 0.0, set()
+        stages = None
+        if runtime is not None:
+            def call(n, tokens=env["tokens"], labels=env["labels"]):
+                return lambda: runtime[n](tokens, labels, 1.0)
+            stages = {n: (call(n), 0.0) for n in runtime}
+            if device.type == "cpu":
+                stages["s1-wake"] = (call("s1"), WAKE_PAUSE_S)
+        times = time_in_sequence(ops, env, device, cfg.repeats, cfg.warmup, stages)
+        for op in ops:
+            m = measure_sizes(op, env, device, held)
+            m["fwd_ms"], m["bwd_ms"] = times[op.name]
+            rows[op.name] = [m[f] for f in OP_FIELDS]
+            workspace = max(workspace, m["workspace_bytes"])
+            if progress is not None:
+                progress(mbs, tp, op.name)
+        entry = {"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": rows}
+        if stages:
+            entry["overhead_ms"] = stage_overheads(times, cfg.model, device.type == "cpu")
+            step = [time_optimizer(runtime[n], device, cfg.repeats, cfg.warmup) for n in ("s1", "s2")]
+            # [ms per layer, ms per stage]
+            entry["overhead_ms"]["optimizer"] = [round(step[1] - step[0], 6),
+                                                 round(2 * step[0] - step[1], 6)]
+            # CPU: after an idle pause, as the runtime's ranks run it (after an emulation sleep
+            # or a wait for their peers)
+            entry["overhead_ms"]["step"] = time_step(cfg.model, mbs, device, cfg.repeats, cfg.warmup, cfg.seed,
+                                                     WAKE_PAUSE_S if device.type == "cpu" else 0.0)
+        if device.type == "cuda":
+            context = _context_bytes(device)
+            entry["reserved_bytes"] = context + workspace
+            entry["reserved_detail"] = {"context_bytes": context, "workspace_bytes": workspace}
+        entries.append(entry)
+        del env
+    if device.type == "cuda":   # free the modules and return their cached blocks
+        ops = runtime = None
+        torch.cuda.empty_cache()
+    return entries
+
+
+REAL_TP_TIMEOUT_S = 600
+"""A tp process that waits this long in a collective (its peer died) gives up."""
+
+
+def _real_tp_entries(cfg: ProfileConfig, tp: int) -> list[dict]:
+    """The entries of tp degree ``tp`` measured by ``tp`` processes on the CPU that form a
+    real gloo process group, each running :func:`_entries_for_tp` on its shard at the same
+    time as the others (as the runtime's tp ranks do, one core each when there are enough):
+    the forward all-reduces of the row-parallel GEMMs, the backward ones of the
+    column-parallel GEMMs, the embedding's and the cross-entropy's are then inside the
+    op times, with their CPU cost and the wake-up after each wait.  Rank 0's entries
+    are returned (the ranks run the same code and shapes)."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="hpp-real-tp-") as tmp:
+        mp.start_processes(_real_tp_worker, args=(cfg, tp, tmp), nprocs=tp, start_method="spawn", join=True)
+        with open(os.path.join(tmp, "entries.json")) as f:
+            return json.load(f)
+
+
+def _real_tp_worker(rank: int, cfg: ProfileConfig, tp: int, tmp: str) -> None:
+    """One tp rank of :func:`_real_tp_entries` (a spawned process)."""
+    import json
+
+    import torch.distributed as dist
+
+    from megatron.hpp.compat import quiet_megatron_warnings
+
+    quiet_megatron_warnings()
+    store = dist.FileStore(os.path.join(tmp, "store"), tp)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
+                            timeout=_dt.timedelta(seconds=REAL_TP_TIMEOUT_S))
+    try:
+        entries = _entries_for_tp(cfg, tp, torch.device("cpu"), dist.group.WORLD)
+        if rank == 0:
+            path = os.path.join(tmp, "entries.json")
+            with open(path + ".part", "w") as f:
+                json.dump(entries, f)
+            os.replace(path + ".part", path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
@@ -505,8 +587,9 @@ def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
                                              else "time.perf_counter"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "op_modules": "megatron.hpp.model Layer / GPTStage at one tp rank's shard shapes "
-                      "(fake tp group: tp collectives are not included)",
+        "op_modules": "megatron.hpp.model Layer / GPTStage at one tp rank's shard shapes " + (
+            "(tp > 1: tp processes on a real gloo group, rank 0's times: tp collectives included)"
+            if cfg.real_tp else "(fake tp group: tp collectives are not included)"),
         "act_bytes": "unique non-parameter storages packed by saved_tensors_hooks in the op's forward "
                      "(a storage saved by several ops is counted once, in the first)",
         "reserved_bytes": ("CUDA context (mem_get_info used - memory_reserved) + largest op workspace "
@@ -519,6 +602,8 @@ def profile_dict(cfg: ProfileConfig, entries: list[dict], prov: dict, collective
     """A version-1 profile JSON dict holding one model shape."""
     model = {"name": cfg.model.name, "shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS},
              "provenance": prov, "entries": entries}
+    if cfg.real_tp and max(cfg.tp) > 1:   # tp > 1 timed on a real tp group: its collectives are in the op times
+        model["tp_comm_included"] = True
     # one shard timed on a fake tp group: the tp all-reduces are not in the op times
     data = {"version": PROFILE_VERSION, "device": cfg.device_type, "source": "measured",
             "provenance": prov, "op_fields": list(OP_FIELDS), "tp_comm_included": False,

@@ -61,7 +61,7 @@ def test_fit_recovers_known_parameters():
 
 def test_shipped_cpu_fit_is_reproducible_and_within_its_tolerance():
     entry = yaml.safe_load((ROOT / "eth/data/gemm_efficiency.yaml").read_text())["devices"]["cpu"]
-    data = load_profile(ROOT / "profiles/measured/cpu.json").data
+    data = load_profile(ROOT / "profiles/measured/cpu-gemm-fit-2026-11-30.json").data
     points = gemm_points(data, get_model("tiny")) + gemm_points(data, get_model("small"))
     curve, stats = fit(points, catalog()["cpu"].tflops)
     assert stats["points"] == entry["fit"]["points"] == 150

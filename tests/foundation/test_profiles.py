@@ -184,20 +184,20 @@ def test_emulated_cpu_types_scale_the_cpu_profile():
 
 def _with_overheads(mbs=(1, 2)):
     """flat_profile with overhead_ms: layer [0.1, 0.2] x mbs, stage [1, 2], wake [0.5, 0.25],
-    checkpoint [0.03, 0.07], checkpoint_op [0.001, 0.002], optimizer [0.5, 1.5]."""
+    checkpoint [0.03, 0.07], checkpoint_op [0.001, 0.002], optimizer [0.5, 1.5], step [0.7, 0.05]."""
     data = flat_profile(mbs=mbs)
     for e in data["models"][0]["entries"]:
         m = e["mbs"]
         e["overhead_ms"] = {"layer": [0.1 * m, 0.2 * m], "stage": [1.0, 2.0], "wake": [0.5, 0.25],
                             "checkpoint": [0.03, 0.07], "checkpoint_op": [0.001, 0.002],
-                            "optimizer": [0.5, 1.5]}
+                            "optimizer": [0.5, 1.5], "step": [0.7, 0.05]}
     return data
 
 
 def test_overheads_field_defaults_to_zero_and_interpolates():
-    assert DeviceProfile(flat_profile()).overheads(TINY, 2, 1) == (0.0,) * 12   # old profiles: none
+    assert DeviceProfile(flat_profile()).overheads(TINY, 2, 1) == (0.0,) * 14   # old profiles: none
     prof = DeviceProfile(_with_overheads(mbs=(1, 2, 4)))
-    rest = (0.5, 0.25, 0.03, 0.07, 0.001, 0.002, 0.5, 1.5)
+    rest = (0.5, 0.25, 0.03, 0.07, 0.001, 0.002, 0.5, 1.5, 0.7, 0.05)
     assert prof.overheads(TINY, 2, 1) == (0.2, 0.4, 1.0, 2.0) + rest
     assert prof.overheads(TINY, 3, 2) == pytest.approx((0.3, 0.6, 1.0, 2.0) + rest)  # between 2 and 4
     assert prof.overheads(TINY, 8, 1) == prof.overheads(TINY, 4, 1)      # outside: the nearest size
@@ -273,3 +273,51 @@ def test_optimizer_step_is_added_per_stage_and_not_stretched_by_emulation():
     zero1 = CostModel(TINY, cluster, db, TrainSetup("fp32", 1, "fp32"))
     assert zero1.optimizer_ms(2, StagePlan([0, 1], "cpu", 1, 2, (0, 3), {})) == pytest.approx((3 * 0.5 + 1.5) / 2)
     assert CostModel(TINY, cluster, ProfileDB({"cpu": DeviceProfile(flat_profile())})).optimizer_ms(2, three) == 0
+
+
+def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulation():
+    """overhead_ms "step" [per iteration, per sample]: Eq. 5 adds it once to every stage's
+    end time (with the optimizer step), per sample of the rank's Lbs / dp share; an
+    emulated type pays it at host speed; without the field nothing changes."""
+    from dataclasses import replace
+
+    from eth.cluster import Cluster
+    from eth.cost import CostModel, eq5_end_times
+    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.precision import TrainSetup
+
+    cpu = catalog()["cpu"]
+    cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
+                                 "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
+                                 "nodes": [{"type": "cpu", "devices_per_node": 2},
+                                           {"type": "cpu-e", "devices_per_node": 1}]})
+    setup = TrainSetup("fp32", 0, "fp32")
+    plan = Plan(model=TINY, cluster=cluster, gbs=8, training=setup, pipelines=[
+        PipelinePlan(2, 8, [StagePlan([0, 1], "cpu", 1, 2, (0, 2), {}), StagePlan([2], "cpu-e", 1, 1, (2, 4), {})])])
+    for data, step in ((_with_overheads(), (0.7, 0.05)), (flat_profile(mbs=(1, 2)), (0.0, 0.0))):
+        db = ProfileDB({"cpu": DeviceProfile(data)})
+        db.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
+        cm = CostModel(TINY, cluster, db, setup)
+        pipe = plan.pipelines[0]
+        assert [cm.step_ms(pipe, s) for s in pipe.stages] == pytest.approx(
+            [step[0] + 8 / 2 * step[1], step[0] + 8 * step[1]])
+        ev = cm.evaluate(plan)
+        costs = cm.pipeline_costs(pipe)
+        ends = eq5_end_times(costs, pipe.lbs, pipe.mbs, ev["pipelines"][0]["ar_ms"])
+        want = [e + cm.optimizer_ms(2, s) + cm.step_ms(pipe, s) for e, s in zip(ends, pipe.stages)]
+        assert ev["pipelines"][0]["end_ms"] == pytest.approx(want)
+        assert ev["iteration_ms"] == pytest.approx(max(want))
+    # only there: the stage costs (fwd, bwd, Eq. 1) are those of the same profile without it
+    no_step = _with_overheads()
+    for e in no_step["models"][0]["entries"]:
+        del e["overhead_ms"]["step"]
+    got = {}
+    for name, data in (("with", _with_overheads()), ("without", no_step)):
+        db = ProfileDB({"cpu": DeviceProfile(data)})
+        db.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
+        cm = CostModel(TINY, cluster, db, setup)
+        got[name] = ([(c.fwd_ms, c.bwd_ms) for c in cm.pipeline_costs(plan.pipelines[0])],
+                     cm.evaluate(plan)["pipelines"][0]["end_ms"])
+    assert got["with"][0] == got["without"][0]
+    assert [a - b for a, b in zip(got["with"][1], got["without"][1])] == pytest.approx(
+        [0.7 + 8 / 2 * 0.05, 0.7 + 8 * 0.05])

@@ -84,7 +84,8 @@ def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
 
     for e in load_profile(measured).data["models"][0]["entries"]:
         oh = e["overhead_ms"]
-        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer"}
+        assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer", "step"}
+        assert oh["step"][0] > 0 and oh["step"][1] > 0
         assert all(math.isfinite(v) for pair in oh.values() for v in pair)
     from eth.model import all_ops, layer_ops
 
@@ -119,7 +120,7 @@ def test_no_overheads_flag_times_the_ops_only(tmp_path, capsys):
                 "-o", str(path), *FAST]) == 0
     entry = load_profile(path).data["models"][0]["entries"][0]
     assert "overhead_ms" not in entry and set(entry["ops"]) == set(ALL_OPS)
-    assert ProfileDB.load(path).overheads("cpu", TINY, 2, 1) == (0.0,) * 12
+    assert ProfileDB.load(path).overheads("cpu", TINY, 2, 1) == (0.0,) * 14
 
 
 def test_weight_bytes_equal_the_formula_in_the_dtype(measured):
@@ -300,3 +301,41 @@ def test_device_type_warning_on_cpu(tmp_path, capsys):
         assert run(argv + ["--force"]) == 0
         assert "warning: no CUDA device" in capsys.readouterr().err
         assert load_profile(tmp_path / "a.json").device == "A100"
+
+
+def test_real_tp_group_measures_with_the_collectives(measured):
+    """--real-tp: tp 2 timed by 2 processes on a real gloo group (one launch: sizes, the
+    flag, the cost model's use of it).  Sizes must equal the fake group's exactly (same
+    shards); the model entry says tp_comm_included, so the cost model adds no tp
+    collectives of its own for it, and does for the fake-group profile."""
+    from eth.cluster import Cluster
+    from eth.cost import CostModel
+    from eth.precision import TrainSetup
+    from eth.profiles import DeviceProfile
+    from megatron.hpp import profiler
+
+    cfg = profiler.ProfileConfig(TINY, "cpu", (1, 2), (2,), repeats=2, warmup=1, overheads=False, real_tp=True)
+    got = profiler.measure_entries(cfg, torch_cpu())
+    data = profiler.profile_dict(cfg, got, {"command": "test"})
+    assert data["tp_comm_included"] is False and data["models"][0]["tp_comm_included"] is True
+    assert "real gloo group" in profiler.provenance(cfg, torch_cpu(), "x")["op_modules"]
+    fake = entries(measured)
+    assert [(e["mbs"], e["tp"]) for e in got] == [(1, 2), (2, 2)]
+    for e in got:
+        for op, row in e["ops"].items():
+            assert row[0] > 0 and row[1] > 0 and all(map(math.isfinite, row[:2])), op
+            assert row[2:] == fake[(e["mbs"], 2)][op][2:], op   # weight, act, input, output bytes
+    real_prof, fake_prof = DeviceProfile(data), load_profile(measured)
+    assert real_prof.tp_comm_included(TINY) and not fake_prof.tp_comm_included(TINY)
+    cluster = Cluster.from_dict({"name": "c", "inter_node_gbps": 10, "nodes": [{"type": "cpu", "devices_per_node": 2}]})
+    comm = {}
+    for name, prof in (("real", real_prof), ("fake", fake_prof)):
+        cm = CostModel(TINY, cluster, ProfileDB({"cpu": prof}), TrainSetup("fp32", 0, "fp32"))
+        comm[name] = cm.stage_cost("cpu", 2, 1, (0, TINY.num_layers), 2).comm_ms
+    assert comm["real"] == 0.0 and comm["fake"] > 0
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
