@@ -86,17 +86,19 @@ def test_the_widening_finds_a_faster_plan_and_is_recorded():
     model, db, gbs = M8, profiles_for(M8, cluster), 24
     on = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False, max_blocks_per_type=1))
     off = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False, max_blocks_per_type=1, symmetric=False))
-    # measured: 83.1 ms with the phase (3 pipelines), 89.4 ms without (the one pipeline)
+    # measured: 83.1 ms with the phase (3 pipelines), 89.4 ms without (the one pipeline);
+    # with the fitted GEMM curves 91.9 and 97.6 ms
     assert on.predicted["iteration_ms"] < off.predicted["iteration_ms"] * 0.99
     record = on.search["symmetric"]
     assert record["pipelines"] == [2, 3, 6] and record["won"] == 3 and len(on.pipelines) == 3
     assert min(v for v in record["ms"].values() if v is not None) == pytest.approx(on.predicted["iteration_ms"])
     assert "symmetric" in on.search["phase_s"]
     assert "symmetric" not in off.search and "symmetric" not in off.search["phase_s"] and len(off.pipelines) == 1
-    # the full-granularity search (one device per block) too: 83.1 ms with, 83.9 without
+    # never slower than without the phase: the full-granularity search neither (with the
+    # constant GEMM efficiency 83.1 ms with the phase, 83.9 without; with the fitted curves equal)
     full = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False))
-    assert full.predicted["iteration_ms"] < search(
-        model, cluster, db, SearchOptions(gbs=gbs, seeds=False, symmetric=False)).predicted["iteration_ms"] * (1 - 1e-3)
+    assert full.predicted["iteration_ms"] <= search(
+        model, cluster, db, SearchOptions(gbs=gbs, seeds=False, symmetric=False)).predicted["iteration_ms"] * (1 + 1e-9)
 
 
 def test_layer_moves_are_the_far_single_layer_moves():
