@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from eth.plan import Plan
 from eth.planner.allocate import allocate_with_variants, pipeline_line
+from eth.planner.balance import joint_moves
 from eth.planner.enumerate import plan_tp_in_nodes
 from eth.planner.pipeline import PipelineResult
 
@@ -176,6 +177,15 @@ def _replan(search, cand: Candidate, out) -> Candidate:
             if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
                 best = Candidate(got[0], got[1], trial)
         scored.sort(key=lambda x: (x[0], x[1]))
+        for _, _, trial in scored[:FREE_MBS_CHOICES]:   # their joint tp moves too
+            if out():
+                break
+            for state in joint_moves(search.ev, trial[i].state, p.lbs, trial[i].ranks):
+                e = search.ev.evaluate(state, p.lbs, trial[i].ranks)
+                if e.feasible:
+                    moved = list(trial)
+                    moved[i] = PipelineResult(trial[i].vec, p.lbs, trial[i].group, state, e, trial[i].ranks)
+                    best = better_trial(search, moved, best, cand)
         for _, _, trial in scored[:FREE_MBS_CHOICES]:
             if out():
                 break

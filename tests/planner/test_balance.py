@@ -187,3 +187,37 @@ def test_warm_start_mbs_doubles_while_it_helps():
             assert e.key == min(keys[:stop + 1]) and spent == stop + 1, (tps, batch, keys, spent)
             seen += stop < len(keys) - 1
     assert seen, "no case where the doubling stopped early"
+
+
+def test_joint_moves_leave_a_single_stage_local_optimum():
+    """GPT-3 13B on b2b4-64, gbs 64: from tp 8 / Mbs 1 on all eight 8-device stages no
+    single-stage move improves (one stage at tp 4 leaves max_j T_j and the pipeline's
+    All-Reduce term where they are); tp 4 on every stage at once (joint_moves) does, and
+    the balancer then reaches Metis's plan of that stage group (tp 4 everywhere, Mbs 2)."""
+    from pathlib import Path
+
+    from eth.cluster import load_cluster
+    from eth.model import get_model
+    from eth.planner.balance import joint_moves, neighbours
+    from eth.planner.enumerate import StageGroup
+    from eth.planner.pipeline import stage_ranks
+    root = Path(__file__).resolve().parents[2]
+    model = get_model("gpt3-13b")
+    cluster = load_cluster(root / "examples" / "clusters" / "b2b4-64.yaml")
+    db = ProfileDB.load(root / "profiles")
+    db.ensure(model, cluster.types.values())
+    ev = Evaluator(CostModel(model, cluster, db))
+    blocks = make_blocks(cluster, 8)
+    group = StageGroup((("910B4", 8),) * 4 + (("910B2", 8),) * 4)
+    ranks = stage_ranks(ev, blocks, group)
+    start = PipeState(tuple(StageState(t, n, 8, layers) for (t, n), layers
+                            in zip(group.stages, (4, 4, 4, 4, 6, 6, 6, 6))), 1)
+    e0 = ev.evaluate(start, 64, ranks)
+    for j in range(8):   # a local optimum of the single-stage moves
+        assert all(ev.evaluate(s, 64, ranks).key >= e0.key for s in neighbours(ev, start, j, 64, ranks))
+    joint = joint_moves(ev, start, 64, ranks)
+    assert all(len({s.tp for s in st.stages if s.device_type == t}) == 1
+               for st in joint for t in ("910B2", "910B4"))
+    assert min(ev.evaluate(s, 64, ranks).ms for s in joint) < e0.ms
+    best, e1, _ = balance(ev, start, 64, ranks, budget=150, current=e0)
+    assert e1.ms < 0.85 * e0.ms and {s.tp for s in best.stages} == {4} and best.mbs == 2

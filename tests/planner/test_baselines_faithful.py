@@ -213,7 +213,8 @@ def test_metis_records_a_faster_mixed_type_layout():
     best_mixed = min((ms.configure(s, m) for s in ms.layouts() if ms.mixed(s) for m in (1, 2, 4, 8)),
                      key=lambda c: c.iteration_ms if c.feasible else math.inf)
     if best_mixed.feasible and best_mixed.iteration_ms < plan.predicted["iteration_ms"] * (1 - 1e-9):
-        assert mixed is not None and mixed["iteration_ms"] == pytest.approx(best_mixed.iteration_ms, rel=1e-6)
+        # the record holds 4 decimals (metis.py rounds it)
+        assert mixed is not None and mixed["iteration_ms"] == pytest.approx(best_mixed.iteration_ms, abs=5e-5)
     else:
         assert mixed is None
 

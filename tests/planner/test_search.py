@@ -81,7 +81,9 @@ def test_uneven_local_batches_are_used():
     model, cluster, db, gbs = setup("one device per node, uneven Lbs")
     plan = search(model, cluster, db, SearchOptions(gbs=gbs))
     lbs = [p.lbs for p in plan.pipelines]
-    assert len(lbs) == 3 and len(set(lbs)) > 1 and sum(lbs) == gbs
+    # 3 pipelines (8/8/8 is no optimum) with the constant GEMM efficiency; with the fitted
+    # A100/RTX3090 curves 2 pipelines, Lbs 20 / 4 (within 2% of the brute force, above)
+    assert len(lbs) >= 2 and len(set(lbs)) > 1 and sum(lbs) == gbs
 
 
 def test_dp_path_gives_a_valid_plan_close_to_full_search():

@@ -75,21 +75,30 @@ def test_each_symmetric_group_is_as_good_as_the_full_enumeration_s(case):
         assert cost.evaluate(plan)["iteration_ms"] == pytest.approx(cand.iteration_ms, rel=1e-12)
 
 
-def test_the_widening_finds_a_faster_plan_and_is_recorded(case):
-    model, cluster, db = case
-    on = search(model, cluster, db, SearchOptions(gbs=GBS, seeds=False, max_blocks_per_type=1))
-    off = search(model, cluster, db, SearchOptions(gbs=GBS, seeds=False, max_blocks_per_type=1, symmetric=False))
-    # measured: 146.5 ms with the phase (2 pipelines), 152.2 ms without (the one pipeline)
+def test_the_widening_finds_a_faster_plan_and_is_recorded():
+    """6 A100 + 6 V100 (one 6-device node each, 6 GB), gbs 24: three pipelines of 2 + 2
+    devices, whose 3-device tp 1 stages and 2-device V100 stage one pipeline of 6 + 6 cannot
+    copy (stage sizes are powers of two dividing the type's count, or the whole count).
+    (The 4 + 4 case of the other tests no longer serves: the balancer's joint tp moves
+    find a one-pipeline plan of dp 2 stages as fast as its two copies.)"""
+    cluster = make_cluster([{"type": "A100", "devices_per_node": 6}, {"type": "V100", "devices_per_node": 6}],
+                           **TIGHT)
+    model, db, gbs = M8, profiles_for(M8, cluster), 24
+    on = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False, max_blocks_per_type=1))
+    off = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False, max_blocks_per_type=1, symmetric=False))
+    # measured: 83.1 ms with the phase (3 pipelines), 89.4 ms without (the one pipeline);
+    # with the fitted GEMM curves 91.9 and 97.6 ms
     assert on.predicted["iteration_ms"] < off.predicted["iteration_ms"] * 0.99
     record = on.search["symmetric"]
-    assert record["pipelines"] == [2, 4] and record["won"] == 2 and len(on.pipelines) == 2
+    assert record["pipelines"] == [2, 3, 6] and record["won"] == 3 and len(on.pipelines) == 3
     assert min(v for v in record["ms"].values() if v is not None) == pytest.approx(on.predicted["iteration_ms"])
     assert "symmetric" in on.search["phase_s"]
     assert "symmetric" not in off.search and "symmetric" not in off.search["phase_s"] and len(off.pipelines) == 1
-    # never slower than without the phase: the full-granularity search neither
-    full = search(model, cluster, db, SearchOptions(gbs=GBS, seeds=False))
+    # never slower than without the phase: the full-granularity search neither (with the
+    # constant GEMM efficiency 83.1 ms with the phase, 83.9 without; with the fitted curves equal)
+    full = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False))
     assert full.predicted["iteration_ms"] <= search(
-        model, cluster, db, SearchOptions(gbs=GBS, seeds=False, symmetric=False)).predicted["iteration_ms"] * (1 + 1e-9)
+        model, cluster, db, SearchOptions(gbs=gbs, seeds=False, symmetric=False)).predicted["iteration_ms"] * (1 + 1e-9)
 
 
 def test_layer_moves_are_the_far_single_layer_moves():

@@ -49,8 +49,8 @@ def test_b2b4_16_plans_keep_tp_groups_in_a_node(model, gbs):
         assert any(st.tp > 1 for plan in plans for p in plan.pipelines for st in p.stages)
 
 
-@pytest.mark.parametrize("model,gbs", [(M4, 12), (M3, 24), (M4, 36)])
-def test_three_devices_per_node_plans_keep_tp_groups_in_a_node(model, gbs):
+@pytest.mark.parametrize("model,gbs,tp_used", [(M4, 12, True), (M3, 24, True), (M4, 36, False)])
+def test_three_devices_per_node_plans_keep_tp_groups_in_a_node(model, gbs, tp_used):
     # small memory pushes the search towards tp > 1
     cluster = make_cluster([{"type": "A100", "devices_per_node": 3, "count": 2},
                             {"type": "RTX3090", "devices_per_node": 3}],
@@ -59,4 +59,8 @@ def test_three_devices_per_node_plans_keep_tp_groups_in_a_node(model, gbs):
     plans = _plans(model, cluster, gbs)
     for plan in plans:
         _check(cluster, plan)
-    assert any(st.tp > 1 for plan in plans for p in plan.pipelines for st in p.stages)
+    # gbs 36: with the fitted A100/RTX3090 GEMM curves (narrow tp GEMMs run below the
+    # constant's efficiency) no candidate takes tp > 1 (recompute instead); the other two
+    # still exercise the node check with tp > 1
+    if tp_used:
+        assert any(st.tp > 1 for plan in plans for p in plan.pipelines for st in p.stages)

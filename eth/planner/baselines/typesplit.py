@@ -26,6 +26,7 @@ from dataclasses import replace
 from eth.cost import CostModel
 from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.allocate import allocate, allocate_with_variants, pipeline_line
+from eth.planner.balance import joint_moves
 from eth.planner.baselines.common import Best, BaselineOptions, Clock, finish, progress_bar
 from eth.planner.enumerate import assign_ranks, make_blocks, pipeline_can_hold
 from eth.planner.evaluate import Evaluator
@@ -136,6 +137,24 @@ def _descend(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, budg
     return results, lbs, ms
 
 
+JOINT_REPLANS = 2
+"""Re-planned configurations of a pipeline whose joint tp moves are also tried."""
+
+
+def _joint(ev, results: list[PipelineResult], lbs: int) -> list[PipelineResult]:
+    """Each of ``results`` with every feasible :func:`eth.planner.balance.joint_moves`
+    (tp x2 or /2 on all its stages at once): the cross-type All-Reduce favours tps that a
+    pipeline balanced alone does not pick (2 A100 + 2 RTX3090, gbs 12, with the fitted GEMM
+    curves: one tp-2 A100 stage at Mbs 8 instead of two tp-1 stages, 8% faster)."""
+    out = []
+    for r in results:
+        for state in joint_moves(ev, r.state, lbs, r.ranks):
+            e = ev.evaluate(state, lbs, r.ranks)
+            if e.feasible:
+                out.append(replace(r, state=state, evaluation=e, batch=lbs))
+    return out
+
+
 def polish_group(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, budget, clock,
                  optimised):
     """Group-level polish of one type split, every change scored by the whole split's
@@ -149,7 +168,8 @@ def polish_group(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, 
     choices = []
     for r, n in zip(results, lbs):
         opt = optimised(r.vec, n)
-        choices.append([r] + ([opt, *getattr(opt, "alternatives", ())] if opt is not None else []))
+        replans = [opt, *getattr(opt, "alternatives", ())] if opt is not None else []
+        choices.append([r] + replans + _joint(ev, replans[:JOINT_REPLANS], n))
     if math.prod(len(c) for c in choices) <= JOINT_LIMIT:
         trials = itertools.product(*choices)          # jointly: the All-Reduce couples them
     else:
