@@ -60,6 +60,7 @@ from eth.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.bruteforce import brute_force
 from eth.planner.evaluate import Evaluator, StageState
 from eth.planner.options import SearchOptions
+from eth.planner.polish import least_recompute
 from eth.planner.search import search
 
 from _exhaustive import (Exhaustive, count_vectors, optimum, planner_stages, recompute_front, remat_of_vectors,
@@ -136,6 +137,35 @@ def test_reference_is_no_worse_than_the_planners_brute_force(nodes, gbs):
     bf, _ = brute_force(M4, cluster, db, gbs)
     assert got["planner"].proven and got["full"].proven
     assert got["full"].ms <= got["planner"].ms <= bf * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("gb, mbs", [(2, 4), (3, 12)])
+def test_least_recompute_fits_is_locally_least_and_no_costlier(gb, mbs):
+    """The polish's recompute cut (polish.least_recompute) from recomputing every op in
+    every layer of a 2-layer stage: the set fits, no op's count can fall by one and still
+    fit, it costs no more than the evaluator's own choice (fit_stage) and no less than
+    the reference's exact cheapest choice (all 3^13 count vectors)."""
+    cluster = make_cluster([{"type": "RTX3090", "devices_per_node": 1}], device_types={"RTX3090": {"memory_gb": gb}})
+    db = profiles_for(M2, cluster)
+    cost = CostModel(M2, cluster, db)
+    every = {op: 2 for op in LAYER_OPS}
+    plan = Plan(M2, cluster, 2 * mbs, [PipelinePlan(mbs, 2 * mbs, [StagePlan([0], "RTX3090", 1, 1, (0, 2), every)])])
+
+    def stage(rec):
+        return cost.stage_cost("RTX3090", 1, 1, (0, 2), mbs, rec, 0, 1, 2, [0], None, None)
+
+    assert not stage({}).fits and stage(every).fits    # the case needs recompute
+    got = least_recompute(cost, plan, 0, 0)
+    assert stage(got).fits and set(got) <= set(LAYER_OPS) and all(1 <= n <= 2 for n in got.values())
+    for op, n in got.items():
+        lower = {o: (k - 1 if o == op else k) for o, k in got.items()}
+        assert not stage({o: k for o, k in lower.items() if k}).fits, op
+    heuristic, _, over = Evaluator(cost).fit_stage(StageState("RTX3090", 1, 1, 2), (0, 2), mbs, 0, 1, 2, [0], None)
+    ref = Exhaustive(M2, cluster, db, 2 * mbs)
+    pipe = ref.pipeline((("RTX3090", 1, 1, 2),), {"RTX3090": [0]})
+    kind, exact, _ = ref.stage(pipe, (("RTX3090", 1, 1, 2),), 0, mbs, 2, solve=True)
+    assert over == 0 and kind == "exact"
+    assert exact.recompute_ms * (1 - 1e-9) <= stage(got).recompute_ms <= heuristic.recompute_ms * (1 + 1e-9)
 
 
 # ---------------------------------------------------------------- the suite
