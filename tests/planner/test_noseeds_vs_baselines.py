@@ -8,9 +8,11 @@ seeded random small clusters (1-3 device types, 1-4 devices each, 2-6 layer mode
 4-64, memory cut to 2-4 GB in 30% of the draws).  A baseline that finds no plan is left
 out; the search must find one whenever any baseline does.
 
-Known gaps (strict xfail, fails once fixed): none.  Draw #2 (2 A100 + 1 V100 + 3 910B4,
-m2, gbs 16), where typesplit's plan was 0.19% faster, is closed since the polish tries the
-joint tp moves of its re-planned configurations (eth.planner.balance.joint_moves).
+Known gaps (``KNOWN_GAPS``, strict xfail, fails once fixed): none.  Draw #2 (2 A100 +
+1 V100 + 3 910B4, m2, gbs 16), where typesplit's plan was 0.19% faster than the unseeded
+search's, is closed since the polish tries the joint tp moves of its re-planned
+configurations (eth.planner.balance.joint_moves), descends before it re-plans and also
+reverses pipelines' stage orders (eth/planner/polish.py, issue 11 items 2 and 3).
 """
 import random
 
