@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from eth.model import layer_ops
 from eth.plan import Plan
 from eth.planner.allocate import allocate_with_variants, pipeline_line
 from eth.planner.balance import joint_moves
@@ -306,7 +307,10 @@ def least_recompute(cost, plan, i: int, j: int) -> dict[str, int]:
     that made the stage fit (e.g. the layer norm and QKV ahead of the attention core) may
     free too little to be worth its time.  Eq. 5 grows with every stage's backward time
     and nothing else of the plan reads a stage's recompute, so a cheaper fitting set never
-    makes the plan slower."""
+    makes the plan slower.  Each contiguous run of the layer's ops recomputed in its
+    fewest fitting layers (:func:`least_run`) is a candidate too, since a run keeps only
+    its input (e.g. QKV through the attention context in one layer where the op rule
+    spreads the attention core over two): the cheapest fitting set is returned."""
     p = plan.pipelines[i]
     st, S = p.stages[j], len(p.stages)
     nxt = p.stages[j + 1].ranks if j + 1 < S else None
@@ -320,12 +324,29 @@ def least_recompute(cost, plan, i: int, j: int) -> dict[str, int]:
     rec = dict(st.recompute)
     if not rec or not fits(rec):
         return rec
-    per_op = {op: cost.stage_cost(st.device_type, st.tp, st.dp, st.layers, p.mbs, {op: 1}, j, S, nmb,
-                                  st.ranks, nxt, prv).recompute_ms for op in rec}
+
+    def recompute_ms(r):
+        return cost.stage_cost(st.device_type, st.tp, st.dp, st.layers, p.mbs, r, j, S, nmb, st.ranks, nxt,
+                               prv).recompute_ms
+
+    per_op = per_op_ms(cost, plan.model, st, p.mbs)
+    rec = cut_counts(fits, rec, per_op)
+    ms, run = least_run(fits, recompute_ms, layer_ops(plan.model), st.layers[1] - st.layers[0], per_op,
+                        (recompute_ms(rec), rec))
+    if run is rec:
+        return rec
+    run = cut_counts(fits, run, per_op)
+    return run if recompute_ms(run) < recompute_ms(rec) else rec
+
+
+def cut_counts(fits, rec: dict[str, int], per_op: dict[str, float]) -> dict[str, int]:
+    """``rec`` (which fits) with each op's layer count, costliest op first, bisected down
+    to the smallest that fits with the others fixed, in passes until none falls."""
+    rec = dict(rec)
     changed = True
     while changed:
         changed = False
-        for op in sorted(rec, key=lambda o: (-per_op[o], o)):
+        for op in sorted(rec, key=lambda o: (-per_op.get(o, 0.0), o)):
             lo, hi = -1, rec[op]          # hi fits; find the smallest count that fits
             while hi - lo > 1:
                 mid = (lo + hi) // 2
@@ -343,6 +364,40 @@ def least_recompute(cost, plan, i: int, j: int) -> dict[str, int]:
                 else:
                     del rec[op]
     return rec
+
+
+def per_op_ms(cost, model, st, mbs: int) -> dict[str, float]:
+    """One layer's recompute ms of each layer op of stage ``st`` at ``mbs``."""
+    ops = cost.profiles.layer_costs(st.device_type, model, mbs // st.dp, st.tp)[0]
+    return {op: ops[op].fwd_ms for op in layer_ops(model)}
+
+
+def least_run(fits, recompute_ms, ops, layers: int, ms: dict[str, float], best: tuple[float, dict]):
+    """(recompute ms, set): ``best`` or, if cheaper, a contiguous run of ``ops``
+    recomputed in the fewest of the stage's ``layers`` that fit.  A run in k layers costs
+    about k times its one-layer ms (``ms``), so a run is skipped unless it fits in the most
+    layers that could still beat the best so far (one check per run, bisection only for
+    those)."""
+    runs = sorted(((sum(ms[o] for o in ops[a:b]), ops[a:b]) for a in range(len(ops))
+                   for b in range(a + 1, len(ops) + 1)), key=lambda r: r[0])
+    for run_ms, run in runs:
+        if run_ms <= 0:
+            continue
+        most = min(layers, math.ceil(best[0] / run_ms) - 1)
+        if most < 1 or not fits({op: most for op in run}):
+            continue
+        lo, hi = 0, most                 # hi fits; the smallest count that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits({op: mid for op in run}):
+                hi = mid
+            else:
+                lo = mid
+        cand = {op: hi for op in run}
+        got = recompute_ms(cand)
+        if got < best[0] * (1 - 1e-12):
+            best = (got, cand)
+    return best
 
 
 def lighter_recompute(search, cand: Candidate) -> Candidate:

@@ -139,20 +139,22 @@ def test_reference_is_no_worse_than_the_planners_brute_force(nodes, gbs):
     assert got["full"].ms <= got["planner"].ms <= bf * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("gb, mbs", [(2, 4), (3, 12)])
-def test_least_recompute_fits_is_locally_least_and_no_costlier(gb, mbs):
+@pytest.mark.parametrize("dev, gb, mbs", [("RTX3090", 2, 4), ("RTX3090", 3, 12), ("910B4", 2, 4)])
+def test_least_recompute_fits_is_locally_least_and_no_costlier(dev, gb, mbs):
     """The polish's recompute cut (polish.least_recompute) from recomputing every op in
-    every layer of a 2-layer stage: the set fits, no op's count can fall by one and still
-    fit, it costs no more than the evaluator's own choice (fit_stage) and no less than
-    the reference's exact cheapest choice (all 3^13 count vectors)."""
-    cluster = make_cluster([{"type": "RTX3090", "devices_per_node": 1}], device_types={"RTX3090": {"memory_gb": gb}})
+    every layer of a 2-layer stage (on the 910B4 the cheapest set is QKV through the
+    attention context recomputed in one layer, a run the op-by-op cut cannot reach): the
+    set fits, no op's count can fall by one and still fit, it costs no more than the evaluator's own choice (fit_stage) nor than any
+    contiguous run of the layer's ops recomputed in 1 or 2 layers that fits (brute force),
+    and no less than the reference's exact cheapest choice (all 3^13 count vectors)."""
+    cluster = make_cluster([{"type": dev, "devices_per_node": 1}], device_types={dev: {"memory_gb": gb}})
     db = profiles_for(M2, cluster)
     cost = CostModel(M2, cluster, db)
     every = {op: 2 for op in LAYER_OPS}
-    plan = Plan(M2, cluster, 2 * mbs, [PipelinePlan(mbs, 2 * mbs, [StagePlan([0], "RTX3090", 1, 1, (0, 2), every)])])
+    plan = Plan(M2, cluster, 2 * mbs, [PipelinePlan(mbs, 2 * mbs, [StagePlan([0], dev, 1, 1, (0, 2), every)])])
 
     def stage(rec):
-        return cost.stage_cost("RTX3090", 1, 1, (0, 2), mbs, rec, 0, 1, 2, [0], None, None)
+        return cost.stage_cost(dev, 1, 1, (0, 2), mbs, rec, 0, 1, 2, [0], None, None)
 
     assert not stage({}).fits and stage(every).fits    # the case needs recompute
     got = least_recompute(cost, plan, 0, 0)
@@ -160,12 +162,15 @@ def test_least_recompute_fits_is_locally_least_and_no_costlier(gb, mbs):
     for op, n in got.items():
         lower = {o: (k - 1 if o == op else k) for o, k in got.items()}
         assert not stage({o: k for o, k in lower.items() if k}).fits, op
-    heuristic, _, over = Evaluator(cost).fit_stage(StageState("RTX3090", 1, 1, 2), (0, 2), mbs, 0, 1, 2, [0], None)
+    heuristic, _, over = Evaluator(cost).fit_stage(StageState(dev, 1, 1, 2), (0, 2), mbs, 0, 1, 2, [0], None)
     ref = Exhaustive(M2, cluster, db, 2 * mbs)
-    pipe = ref.pipeline((("RTX3090", 1, 1, 2),), {"RTX3090": [0]})
-    kind, exact, _ = ref.stage(pipe, (("RTX3090", 1, 1, 2),), 0, mbs, 2, solve=True)
+    pipe = ref.pipeline(((dev, 1, 1, 2),), {dev: [0]})
+    kind, exact, _ = ref.stage(pipe, ((dev, 1, 1, 2),), 0, mbs, 2, solve=True)
     assert over == 0 and kind == "exact"
     assert exact.recompute_ms * (1 - 1e-9) <= stage(got).recompute_ms <= heuristic.recompute_ms * (1 + 1e-9)
+    runs = [LAYER_OPS[a:b] for a in range(len(LAYER_OPS)) for b in range(a + 1, len(LAYER_OPS) + 1)]
+    fitting = [stage({op: k for op in run}) for run in runs for k in (1, 2) if stage({op: k for op in run}).fits]
+    assert fitting and stage(got).recompute_ms <= min(c.recompute_ms for c in fitting) * (1 + 1e-9)
 
 
 # ---------------------------------------------------------------- the suite
@@ -228,8 +233,8 @@ def percentile(values, q: float) -> float:
 
 @pytest.mark.parametrize("label, mean, p95, worst, at_optimum", [
     ("core", 0.03, 0.12, 0.90, 0.65),             # measured 2.0%, 9.0%, 81.0%, 0.71 (fitted GEMM curves: max 87.0%)
-    ("core + polish", 0.001, 1e-9, 0.01, 0.99),   # measured 0, 0, 0, 1.00 (issue 11 item 3: max <= 1%)
-    ("search()", 0.001, 1e-9, 0.01, 0.99),        # measured 0, 0, 0, 1.00
+    ("core + polish", 0.001, 1e-9, 0.01, 0.99),   # measured 0.01%, 0, 0.78%, 0.99 (issue 11 item 3: max <= 1%)
+    ("search()", 0.001, 1e-9, 0.01, 0.99),        # measured 0.01%, 0, 0.78%, 0.99
 ])
 def test_gap_to_the_optimum_of_the_planners_space(label, mean, p95, worst, at_optimum):
     g = gaps(label, "planner")
