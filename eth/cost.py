@@ -360,6 +360,40 @@ class CostModel:
         return (ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh,
                 self._backward_bytes(ops, last))
 
+    def stage_time_floor(self, device_type: str, tp: int, micro: int, first: bool, last: bool,
+                         links: tuple[float, float, float]) -> tuple[float, float]:
+        """(per layer ms, fixed ms) with ``nl * per_layer + fixed <= T_j`` (= fwd_ms + bwd_ms
+        of :meth:`stage_cost_at`) for every layer count ``nl`` >= 1 and every recompute
+        set, at ``micro`` samples per replica on these ``links``: the terms of
+        :meth:`_stage_shape` without recompute, which only adds time (its re-run forward
+        ops and collectives; a profile's per-checkpoint overheads, which may be negative,
+        are counted at their most negative: every op of every layer its own checkpointed
+        run).  A lower bound for :func:`eth.planner.bounds.stage_group_floor`; memoised."""
+        key = ("floor", device_type, tp, micro, first, last) + links
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        pkey = ("parts", device_type, tp, micro, first, last) + links
+        parts = self._cache.get(pkey)
+        if parts is None:
+            parts = self._cache[pkey] = self._shape_parts(device_type, tp, micro, first, last, links)
+        ops, _, _, sf, sb, _, _, extra, tp_parts, ag, send_f, send_b, oh, _ = parts
+        per_layer = sf + sb + oh[0] + oh[1]
+        fixed = sum(f + b for f, b, _, _ in extra) + oh[2] + oh[3] + send_f + send_b
+        for per, f_sum, b_sum in tp_parts or ():
+            if per:
+                per_layer += f_sum + b_sum
+            else:
+                fixed += f_sum + b_sum
+        if tp_parts is not None and ag is not None:
+            per_layer += ag[0] + ag[1]
+        in_layer = [op for op in ops if op in _LAYER_OP_SET]
+        # recompute adds fwd_ms per op and layer (and a checkpoint's overheads per run and op)
+        per_layer += sum(min(ops[op].fwd_ms, 0.0) for op in in_layer)
+        per_layer += len(in_layer) * sum(min(x, 0.0) for x in oh[6:10])
+        hit = self._cache[key] = (per_layer, fixed)
+        return hit
+
     def optimizer_ms(self, mbs: int, stage) -> float:
         """The step after the backward on one rank of ``stage`` (measured profiles'
         overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it;

@@ -147,7 +147,7 @@ class HPPSearch:
         with self.phases("balance"):
             result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
                                        self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time,
-                                       self.phases)
+                                       self.phases, self.opt.prune)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound
