@@ -29,6 +29,7 @@ groups are visited in ascending Cost within each pipeline count.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -96,8 +97,9 @@ def variance_cost(group_devices: list[dict[str, int]], tflops: dict[str, float],
     return inter / gbs + intra / num_layers
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=None)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def stage_group_floor(ev, stages, ranks, batch: int) -> float:
@@ -106,14 +108,16 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
     layer split, valid tp, Mbs dividing ``batch`` and recompute set.
 
     Eq. 1 (plus the pipeline's own All-Reduce, >= 0) is at least (B / Mbs) x T_j for each
-    stage j, and T_j >= l_j x a + b (:meth:`eth.cost.CostModel.stage_time_floor`, at the
-    stage's tp and micro = Mbs / dp_j).  Per sample that is B / (dp_j x micro) x
-    (l_j a + b); its minimum over the stage's valid tps and the micros dividing B / dp_j,
+    stage j, and T_j is at least :meth:`eth.cost.CostModel.stage_time_floor` of l_j
+    layers (its terms without recompute plus the least recompute time that lets it fit
+    in memory; inf if nothing fits) at its tp and micro = Mbs / dp_j.  Times
+    B / (dp_j x micro), its minimum over the stage's valid tps and the micros dividing
+    B / dp_j,
     made non-decreasing in l_j, is f_j(l_j) (:func:`_stage_floor`).  The bound is the
     min over integer splits (l_j >= 1, sum = L) of max_j f_j(l_j): the smallest t with
     f_j(1) <= t for every j and at least L values f_j(l) <= t, i.e. the larger of
     max_j f_j(1) and the L-th smallest of all f_j(l).  inf when a stage has no valid tp
-    whose dp divides ``batch``."""
+    whose dp divides ``batch`` (or nothing fits)."""
     L = ev.model.num_layers
     S = len(stages)
     rows = []
@@ -138,29 +142,42 @@ def split_floor(rows, total: int) -> float:
 def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
     """f_j(l) for l = 1..L (numpy; :func:`stage_group_floor`) of stage j of S on ``ranks``,
     memoised on the evaluator by all it reads (the stage's type, devices, first / last,
-    batch and its links for each valid tp); None when no tp's dp divides ``batch``."""
-    nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
+    stages after it, batch and its links for each valid tp); None when no tp's dp
+    divides ``batch``."""
     cost = ev.cost
-    tps = ev.valid_tps(t, n, ranks[j])
-    links = tuple(cost.stage_links(t, tp, ranks[j], nxt, prv) for tp in tps)
-    key = (t, n, j == 0, j == S - 1, batch, tps) + links
+    lkey = ("links", ranks, j)
+    hit = ev._floors.get(lkey)
+    if hit is None:   # the stage's valid tps and their links on these ranks
+        nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
+        tps = ev.valid_tps(t, n, ranks[j])
+        hit = ev._floors[lkey] = (tps, tuple(cost.stage_links(t, tp, ranks[j], nxt, prv) for tp in tps))
+    tps, links = hit
+    key = (t, n, j == 0, j == S - 1, S - j, batch, tps) + links
     hit = ev._floors.get(key)
     if hit is not None or key in ev._floors:
         return hit
-    a, b = [], []
-    for tp, lk in zip(tps, links):
-        dp = n // tp
-        if batch % dp:
-            continue
-        for micro in _divisors(batch // dp):
-            per_layer, fixed = cost.stage_time_floor(t, tp, micro, j == 0, j == S - 1, lk)
-            scale = batch / (dp * micro)
-            a.append(per_layer * scale)
-            b.append(fixed * scale)
-    row = None
-    if a:
+    # the shapes (tp, micro) and their cost terms do not depend on S - j: one table
+    tkey = ("table",) + key[:4] + key[5:]
+    table = ev._floors.get(tkey)
+    if table is None:
+        shapes, scale = [], []
+        for tp, lk in zip(tps, links):
+            dp = n // tp
+            if batch % dp:
+                continue
+            for micro in _divisors(batch // dp):
+                shapes.append((tp, dp, micro, lk, 1))
+                scale.append(batch / (dp * micro))
+        table = ev._floors[tkey] = (shapes, np.array(scale)[:, None],
+                                    cost.floor_table(t, j == 0, j == S - 1, shapes) if shapes else None)
+    shapes, scale, terms = table
+    f = None
+    if shapes:
+        # the in-flight micro-batches of evaluate: min(S - j, B / Mbs), at least 1
+        inflight = [max(1, min(S - j, batch // (dp * micro))) for _, dp, micro, _, _ in shapes]
         layers = np.arange(1, ev.model.num_layers + 1, dtype=float)
-        f = np.min(np.outer(layers, a) + np.asarray(b), axis=1)
-        row = np.minimum.accumulate(f[::-1])[::-1]   # non-decreasing in l: still a lower bound
-    ev._floors[key] = row
-    return row
+        f = np.min(cost.stage_time_floors_at(terms, inflight, layers) * scale, axis=0)
+    if f is not None:
+        f = np.minimum.accumulate(f[::-1])[::-1]   # non-decreasing in l: still a lower bound
+    ev._floors[key] = f
+    return f

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from eth.cost import CostModel
+from eth.model import LAYER_OPS
 from eth.planner.bounds import split_floor, stage_group_floor
 from eth.planner.enumerate import make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator, PipeState, StageState
@@ -59,6 +60,32 @@ def test_floor_is_below_every_configuration_of_each_stage_group(memory, batch):
             assert floor > 0
             tight.append(floor / best)
     assert tight and max(tight) > 0.5   # not a vacuous bound
+
+
+def test_stage_time_floors_are_below_every_recompute_set_that_fits():
+    # random stages and recompute sets, memory tight enough that many need recompute
+    cluster = _cluster((5, 3, 4))
+    model = M6
+    cost = CostModel(model, cluster, profiles_for(model, cluster))
+    ops = [op for op in cost.profiles.layer_costs("A100", model, 1, 1)[0] if op in LAYER_OPS]
+    rng = random.Random(7)
+    layers = np.arange(1, model.num_layers + 1, dtype=float)
+    fit = unfit = 0
+    for _ in range(400):
+        t = rng.choice(["A100", "RTX3090", "V100"])
+        tp, dp, micro = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2, 4])
+        first, last, inflight = rng.random() < 0.3, rng.random() < 0.3, rng.randint(1, 4)
+        links = (rng.choice([100.0, 300.0]), rng.choice([25.0, 100.0]), rng.choice([25.0, 100.0]))
+        row = cost.stage_time_floors(t, first, last, [(tp, dp, micro, links, inflight)], layers)[0]
+        nl = rng.randint(1, model.num_layers)
+        rec = {op: rng.randint(1, nl) for op in rng.sample(ops, rng.randint(0, len(ops)))}
+        c = cost.stage_cost_at(t, tp, dp, nl, first, last, dp * micro, rec, inflight, links)
+        if c.fits:
+            fit += 1
+            assert row[nl - 1] <= c.total_ms * (1 + 1e-12), (t, tp, dp, micro, nl, rec)
+        else:
+            unfit += 1
+    assert fit > 50 and unfit > 50
 
 
 def test_split_floor_matches_brute_force_over_splits():
