@@ -19,6 +19,10 @@ times alpha >= 1.  With no cached pipeline of that size there is no approximate 
 A device group is skipped when sum over its pipelines of min(available bounds) is
 below the best throughput found (Gbs / best iteration time).
 
+Phase-1 floor -- :func:`stage_group_floor`: a lower bound of the Eq. 1 time of every
+configuration of one stage group, by which phase 1 orders and prunes a pipeline's stage
+groups (:func:`eth.planner.pipeline.optimise_pipeline`, ``SearchOptions.prune``).
+
 Search order -- :func:`variance_cost`, Eq. 7-9, Com = device TFLOPS:
 
     V_inter = Var_i ( sum_j Com_i^j )                (7)
@@ -112,8 +116,7 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
     layers (its terms without recompute plus the least recompute time that lets it fit
     in memory; inf if nothing fits) at its tp and micro = Mbs / dp_j.  Times
     B / (dp_j x micro), its minimum over the stage's valid tps and the micros dividing
-    B / dp_j,
-    made non-decreasing in l_j, is f_j(l_j) (:func:`_stage_floor`).  The bound is the
+    B / dp_j, made non-decreasing in l_j, is f_j(l_j) (:func:`_stage_floor`).  The bound is the
     min over integer splits (l_j >= 1, sum = L) of max_j f_j(l_j): the smallest t with
     f_j(1) <= t for every j and at least L values f_j(l) <= t, i.e. the larger of
     max_j f_j(1) and the L-th smallest of all f_j(l).  inf when a stage has no valid tp
