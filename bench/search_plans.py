@@ -8,7 +8,12 @@ case; no optimum is computed).  Run it with each checkout first on the path, e.g
     PYTHONPATH=<checkout> python bench/search_plans.py suite 13b:64:1024 175b:1024:1024
 
 A case is ``<gpt3 size>:<devices>:<gbs>`` on bench/search_scaling.py's b2b4 clusters,
-unseeded; a trailing ``s`` on the gbs runs with seeds (``13b:64:1024s``).
+unseeded; a trailing ``s`` on the gbs runs with seeds (``13b:64:1024s``).  ``--prune-off``
+first runs each case with ``SearchOptions(prune=False)`` (phase 1 without its floor
+pruning, the search before issue 11's fifth pass) and prints the CPU ratio off / on, side
+by side in one run:
+
+    python bench/search_plans.py --prune-off 13b:64:1024 175b:1024:1024
 """
 from __future__ import annotations
 
@@ -56,6 +61,8 @@ def main(argv=None) -> int:
     from search_scaling import b2b4
     import eth
     args = sys.argv[1:] if argv is None else argv
+    both = "--prune-off" in args
+    args = [a for a in args if a != "--prune-off"]
     print(f"# eth from {Path(eth.__file__).parent}")
     for case in args:
         if case == "suite":
@@ -64,14 +71,20 @@ def main(argv=None) -> int:
         size, devices, gbs = case.split(":")
         seeds = gbs.endswith("s")
         model, cluster = get_model("gpt3-" + size), b2b4(int(devices))
-        db = ProfileDB()
-        db.ensure(model, cluster.types.values())
-        t, w = time.process_time(), time.perf_counter()
-        plan = search(model, cluster, db, SearchOptions(gbs=int(gbs.rstrip("s")), time_limit=300, seeds=seeds,
-                                                        progress=False))
-        print(f"{case:15s} iter {plan.predicted['iteration_ms']:.4f} ms  evaluations "
-              f"{plan.search.get('cost_evaluations')}  plan {digest(plan)}  cpu {time.process_time() - t:.2f} s  "
-              f"wall {time.perf_counter() - w:.2f} s", flush=True)
+        cpu = {}
+        for prune in ((False, True) if both else (True,)):
+            db = ProfileDB()     # a fresh one per run: its caches are not shared
+            db.ensure(model, cluster.types.values())
+            t, w = time.process_time(), time.perf_counter()
+            plan = search(model, cluster, db, SearchOptions(gbs=int(gbs.rstrip("s")), time_limit=300, seeds=seeds,
+                                                            progress=False, prune=prune))
+            cpu[prune] = time.process_time() - t
+            label = case + ("" if prune else " off")
+            print(f"{label:15s} iter {plan.predicted['iteration_ms']:.4f} ms  evaluations "
+                  f"{plan.search.get('cost_evaluations')}  plan {digest(plan)}  cpu {cpu[prune]:.2f} s  "
+                  f"wall {time.perf_counter() - w:.2f} s", flush=True)
+        if both:
+            print(f"{case:15s} cpu prune off / on {cpu[False] / cpu[True]:.2f}x", flush=True)
     return 0
 
 

@@ -3,9 +3,12 @@
 Deterministic bound -- :func:`dominated`: pipeline P1 (devices D1) is bounded by a
 cached pipeline P2 (devices D2, |D1| <= |D2|) when the bipartite graph with an edge
 d1 -- d2 iff mem(d2) > mem(d1) and comp(d2) > comp(d1) has a matching that covers
-D1 (maximum matching by Hopcroft-Karp, networkx).  Then throughput(P1) <=
-throughput(P2).  Devices of one type are identical, so both sides are divided by the
-gcd of all type counts first (Hall's condition is invariant under that scaling).
+D1.  Then throughput(P1) <= throughput(P2).  Devices of one type are identical (same
+neighbours), so by Hall's theorem such a matching exists iff every set T of D1's types
+has at least as many devices stronger than some type of T in D2 as it has devices in
+D1 (a set of devices that takes part of a type's devices has the neighbours of the
+whole type): 2^types - 1 sums instead of a matching over every device (networkx's
+Hopcroft-Karp did that, 4% of the 13B / 64 search's CPU time).
 
 Approximate bound -- :func:`approximate_bound`: the most similar cached pipeline with
 the same number of devices (closest in log compute and log memory) gives its
@@ -15,6 +18,10 @@ times alpha >= 1.  With no cached pipeline of that size there is no approximate 
 
 A device group is skipped when sum over its pipelines of min(available bounds) is
 below the best throughput found (Gbs / best iteration time).
+
+Phase-1 floor -- :func:`stage_group_floor`: a lower bound of the Eq. 1 time of every
+configuration of one stage group, by which phase 1 orders and prunes a pipeline's stage
+groups (:func:`eth.planner.pipeline.optimise_pipeline`, ``SearchOptions.prune``).
 
 Search order -- :func:`variance_cost`, Eq. 7-9, Com = device TFLOPS:
 
@@ -26,40 +33,39 @@ groups are visited in ascending Cost within each pipeline count.
 """
 from __future__ import annotations
 
+import functools
 import math
-from functools import reduce
 
-import networkx as nx
 import numpy as np
-from networkx.algorithms import bipartite
 
 
 def dominated(d1: dict[str, int], d2: dict[str, int], facts: dict[str, tuple[float, float]]) -> bool:
     """True if every device of ``d1`` matches a distinct strictly stronger, larger one of ``d2``.
 
-    ``d1``/``d2`` map device type -> count; ``facts[type] = (tflops, memory)``.
+    ``d1``/``d2`` map device type -> count; ``facts[type] = (tflops, memory)``.  Hall's
+    condition over the types of ``d1`` (module docstring).
     """
     n1, n2 = sum(d1.values()), sum(d2.values())
     if n1 == 0:
         return True
     if n1 > n2:
         return False
-    g = reduce(math.gcd, [c for c in list(d1.values()) + list(d2.values()) if c])
-    g1 = {t: c // g for t, c in d1.items() if c}
-    g2 = {t: c // g for t, c in d2.items() if c}
-    graph = nx.Graph()
-    left = [("a", t, k) for t, c in sorted(g1.items()) for k in range(c)]
-    right = [("b", t, k) for t, c in sorted(g2.items()) for k in range(c)]
-    graph.add_nodes_from(left, bipartite=0)
-    graph.add_nodes_from(right, bipartite=1)
-    for u in left:
-        cu, mu = facts[u[1]]
-        for v in right:
-            cv, mv = facts[v[1]]
-            if mv > mu and cv > cu:
-                graph.add_edge(u, v)
-    matching = bipartite.hopcroft_karp_matching(graph, top_nodes=left)
-    return sum(1 for u in left if u in matching) == len(left)
+    left = [(c, t) for t, c in sorted(d1.items()) if c]
+    right = [(c, t) for t, c in sorted(d2.items()) if c]
+    # bit k of stronger[i]: right type k beats left type i in both compute and memory
+    stronger = []
+    for _, t in left:
+        ct, mt = facts[t]
+        stronger.append(sum(1 << k for k, (_, u) in enumerate(right) if facts[u][1] > mt and facts[u][0] > ct))
+    for mask in range(1, 1 << len(left)):
+        need, nbrs = 0, 0
+        for i, (c, _) in enumerate(left):
+            if mask >> i & 1:
+                need += c
+                nbrs |= stronger[i]
+        if need > sum(c for k, (c, _) in enumerate(right) if nbrs >> k & 1):
+            return False
+    return True
 
 
 def approximate_bound(devices: dict[str, int], cached: list[tuple[dict[str, int], float]],
@@ -93,3 +99,88 @@ def variance_cost(group_devices: list[dict[str, int]], tflops: dict[str, float],
         intra += float(values.var()) if values.size else 0.0
     inter = float(np.var(sums))
     return inter / gbs + intra / num_layers
+
+
+@functools.lru_cache(maxsize=None)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def stage_group_floor(ev, stages, ranks, batch: int) -> float:
+    """A lower bound on ``ev.evaluate(state, batch, ranks).ms`` over every configuration
+    ``state`` of the stage group ``stages`` ((type, devices), ...) on ``ranks``: every
+    layer split, valid tp, Mbs dividing ``batch`` and recompute set.
+
+    Eq. 1 (plus the pipeline's own All-Reduce, >= 0) is at least (B / Mbs) x T_j for each
+    stage j, and T_j is at least :meth:`eth.cost.CostModel.stage_time_floor` of l_j
+    layers (its terms without recompute plus the least recompute time that lets it fit
+    in memory; inf if nothing fits) at its tp and micro = Mbs / dp_j.  Times
+    B / (dp_j x micro), its minimum over the stage's valid tps and the micros dividing
+    B / dp_j, made non-decreasing in l_j, is f_j(l_j) (:func:`_stage_floor`).  The bound is the
+    min over integer splits (l_j >= 1, sum = L) of max_j f_j(l_j): the smallest t with
+    f_j(1) <= t for every j and at least L values f_j(l) <= t, i.e. the larger of
+    max_j f_j(1) and the L-th smallest of all f_j(l).  inf when a stage has no valid tp
+    whose dp divides ``batch`` (or nothing fits)."""
+    L = ev.model.num_layers
+    S = len(stages)
+    rows = []
+    for j, (t, n) in enumerate(stages):
+        row = _stage_floor(ev, t, n, j, S, ranks, batch)
+        if row is None:
+            return math.inf
+        rows.append(row)
+    return split_floor(rows, L)
+
+
+def split_floor(rows, total: int) -> float:
+    """min over integer splits (n_j >= 1, sum n_j = ``total``) of max_j rows[j][n_j - 1],
+    for rows non-decreasing and of length >= total - len(rows) + 1 (numpy arrays): the
+    larger of max_j rows[j][0] and the ``total``-th smallest value of all rows (the
+    module's :func:`stage_group_floor`)."""
+    first = max(float(row[0]) for row in rows)
+    values = np.concatenate([row[:total - len(rows) + 1] for row in rows])
+    return max(first, float(np.partition(values, total - 1)[total - 1]))
+
+
+def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
+    """f_j(l) for l = 1..L (numpy; :func:`stage_group_floor`) of stage j of S on ``ranks``,
+    memoised on the evaluator by all it reads (the stage's type, devices, first / last,
+    stages after it, batch and its links for each valid tp); None when no tp's dp
+    divides ``batch``."""
+    cost = ev.cost
+    lkey = ("links", ranks, j)
+    hit = ev._floors.get(lkey)
+    if hit is None:   # the stage's valid tps and their links on these ranks
+        nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
+        tps = ev.valid_tps(t, n, ranks[j])
+        hit = ev._floors[lkey] = (tps, tuple(cost.stage_links(t, tp, ranks[j], nxt, prv) for tp in tps))
+    tps, links = hit
+    key = (t, n, j == 0, j == S - 1, S - j, batch, tps) + links
+    hit = ev._floors.get(key)
+    if hit is not None or key in ev._floors:
+        return hit
+    # the shapes (tp, micro) and their cost terms do not depend on S - j: one table
+    tkey = ("table",) + key[:4] + key[5:]
+    table = ev._floors.get(tkey)
+    if table is None:
+        shapes, scale = [], []
+        for tp, lk in zip(tps, links):
+            dp = n // tp
+            if batch % dp:
+                continue
+            for micro in _divisors(batch // dp):
+                shapes.append((tp, dp, micro, lk, 1))
+                scale.append(batch / (dp * micro))
+        table = ev._floors[tkey] = (shapes, np.array(scale)[:, None],
+                                    cost.floor_table(t, j == 0, j == S - 1, shapes) if shapes else None)
+    shapes, scale, terms = table
+    f = None
+    if shapes:
+        # the in-flight micro-batches of evaluate: min(S - j, B / Mbs), at least 1
+        inflight = [max(1, min(S - j, batch // (dp * micro))) for _, dp, micro, _, _ in shapes]
+        layers = np.arange(1, ev.model.num_layers + 1, dtype=float)
+        f = np.min(cost.stage_time_floors_at(terms, inflight, layers) * scale, axis=0)
+    if f is not None:
+        f = np.minimum.accumulate(f[::-1])[::-1]   # non-decreasing in l: still a lower bound
+    ev._floors[key] = f
+    return f

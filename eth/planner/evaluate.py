@@ -153,6 +153,7 @@ class Evaluator:
         self._links: dict = {}
         self._tps: dict = {}
         self._ranks: dict = {}
+        self._floors: dict = {}    # eth.planner.bounds.stage_group_floor's per-stage rows
         self.evaluations = 0
 
     def valid_tps(self, device_type: str, ndev: int, ranks=None) -> tuple[int, ...]:

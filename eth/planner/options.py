@@ -93,6 +93,11 @@ class SearchOptions:
     (:class:`eth.planner.evaluate.Evaluator`, :class:`eth.planner.search.HPPSearch`,
     :func:`eth.planner.polish.variant_allocation`).
     Off = the search before these memos (bench/search_scaling.py compares both)."""
+    prune: bool = True
+    """Phase 1 balances a pipeline's stage groups in ascending order of a lower bound of
+    their Eq. 1 time and skips those whose bound exceeds the best time found (the
+    alternatives the polish reads are completed when read): the same plans, fewer
+    evaluations (:func:`eth.planner.pipeline.optimise_pipeline`)."""
     allow_overshoot: bool = False
     """Accept sum(Lbs) > Gbs (paper constraint Eq. 3) when no exact split exists; by
     default only exact splits are emitted because the runtime requires equality."""

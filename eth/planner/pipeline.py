@@ -20,12 +20,14 @@ evaluations (not seconds), so the search stays deterministic.
 """
 from __future__ import annotations
 
+import bisect
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from eth.planner.balance import balance, initial_state
+from eth.planner.bounds import stage_group_floor
 from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState
 
@@ -46,9 +48,21 @@ class PipelineResult:
     evaluation: Evaluation
     ranks: tuple[tuple[int, ...], ...]
     """Representative ranks used while balancing (the final plan re-assigns ranks)."""
-    alternatives: tuple = ()
-    """Balanced results of the pipeline's other stage groups (best first, at most
-    ``MAX_ALTERNATIVES``), tried by :func:`eth.planner.polish.polish` in the group context."""
+    ready: tuple = ()
+    """:attr:`alternatives` once known."""
+    pending: object = field(default=None, compare=False, repr=False)
+    """A call that returns :attr:`alternatives` (the stage groups that phase 1 skipped by
+    their floor and that may rank among them are balanced then), or None."""
+
+    @property
+    def alternatives(self) -> tuple:
+        """Balanced results of the pipeline's other stage groups (best first, at most
+        ``MAX_ALTERNATIVES``), tried by :func:`eth.planner.polish.polish` in the group
+        context; computed on first use when phase 1 pruned stage groups."""
+        if self.pending is not None:
+            object.__setattr__(self, "ready", self.pending())
+            object.__setattr__(self, "pending", None)
+        return self.ready
 
     @property
     def feasible(self) -> bool:
@@ -108,13 +122,22 @@ def stage_ranks(ev: Evaluator, blocks: Blocks, g: StageGroup) -> tuple[tuple[int
 
 
 def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
-                      topk: int, max_stages: int, stop=None, phases=None) -> PipelineResult | None:
+                      topk: int, max_stages: int, stop=None, phases=None, prune: bool = True) -> PipelineResult | None:
     """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built.
 
     ``stop()`` (optional; the search's time limit) is polled between stage groups and
     inside the balancer: once it returns true, the remaining stage groups are neither
     warm-started nor balanced and the best configuration so far is returned (a warm
-    start that did not get the balancer counts too)."""
+    start that did not get the balancer counts too).
+
+    ``prune`` (without ``topk``): stage groups are warm-started and balanced in ascending
+    order of their floor (:func:`eth.planner.bounds.stage_group_floor`, a lower bound of
+    every configuration's Eq. 1 time), and a group whose floor exceeds the best balanced
+    time so far is not balanced: the same best configuration.  The alternatives (the next
+    ``MAX_ALTERNATIVES`` groups) are completed when first read (:class:`_Groups`): the
+    groups whose floor does not exceed the ninth best time are balanced then.  Both rank
+    results as without pruning (by balanced key, then warm-start key, then group order),
+    so the result and its alternatives are the same."""
     halted = stop if stop is not None else (lambda: False)
     # stage groups and budgets depend on the devices only (phase 1 runs again for each
     # Lbs the polish re-plans): kept on the evaluator
@@ -126,6 +149,10 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     groups, budgets = hit
     if not groups:
         return None
+    if prune and not topk:
+        work = _Groups(ev, blocks, tuple(vec), batch, groups, budgets, halted, stop, phases)
+        work.run(1)
+        return work.result()
     starts = []
     with (phases("warm starts") if phases is not None else nullcontext()):
         for g, budget in zip(groups, budgets):
@@ -150,7 +177,60 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
         done.append((e.key, i, PipelineResult(tuple(vec), batch, g, state, e, ranks)))
     done.sort(key=lambda x: (x[0], x[1]))
     others = tuple(r for _, _, r in done[1:MAX_ALTERNATIVES + 1] if r.feasible)
-    return replace(done[0][2], alternatives=others)
+    return replace(done[0][2], ready=others)
+
+
+class _Groups:
+    """Phase 1 with floor pruning (:func:`optimise_pipeline`'s ``prune``)."""
+
+    def __init__(self, ev, blocks, vec, batch, groups, budgets, halted, stop, phases):
+        self.ev, self.vec, self.batch, self.halted, self.stop, self.phases = ev, vec, batch, halted, stop, phases
+        self.todo = []
+        for i, (g, budget) in enumerate(zip(groups, budgets)):
+            ranks = stage_ranks(ev, blocks, g)
+            self.todo.append((stage_group_floor(ev, g.stages, ranks, batch), i, g, ranks, budget))
+        self.todo.sort(key=lambda x: (x[0], x[1]))
+        self.todo.reverse()          # popped from the end: lowest floor first
+        self.done = []               # (balanced key, warm-start key, group index, result)
+        self.feasible = []           # balanced Eq. 1 times of feasible results, ascending
+        self.cut = False             # the time limit stopped it: no more groups
+
+    def run(self, keep: int) -> None:
+        """Balance groups in floor order while a floor does not exceed the ``keep``-th
+        best feasible time so far (every group while fewer are known)."""
+        ev, batch = self.ev, self.batch
+        while self.todo and not self.cut:
+            floor = self.todo[-1][0]
+            if len(self.feasible) >= keep and floor * (1 - 1e-9) > self.feasible[keep - 1]:
+                return
+            if self.done and self.halted():
+                self.cut = True
+                return
+            _, i, g, ranks, budget = self.todo.pop()
+            with (self.phases("warm starts") if self.phases is not None else nullcontext()):
+                init = initial_state(ev, g.stages, batch, ranks)
+            if init is None:
+                continue
+            state, e = init
+            start = e.key
+            if not self.done or not self.halted():
+                state, e, _ = balance(ev, state, batch, ranks, budget, e, self.stop)
+            else:
+                self.cut = True      # out of time: this warm start competes unbalanced
+            self.done.append((e.key, start, i, PipelineResult(self.vec, batch, g, state, e, ranks)))
+            if e.feasible:
+                bisect.insort(self.feasible, e.ms)
+
+    def result(self) -> PipelineResult | None:
+        if not self.done:
+            return None
+        self.done.sort(key=lambda x: x[:3])
+        return replace(self.done[0][3], pending=self.alternatives)
+
+    def alternatives(self) -> tuple:
+        self.run(1 + MAX_ALTERNATIVES)
+        self.done.sort(key=lambda x: x[:3])
+        return tuple(r for *_, r in self.done[1:MAX_ALTERNATIVES + 1] if r.feasible)
 
 
 def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int,

@@ -144,10 +144,12 @@ class HPPSearch:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.pipelines_optimised += 1
+        # the polish and the symmetric phase (the callers with another batch) read the
+        # alternatives at once, which leaves the floor pruning little to cut: not pruned
         with self.phases("balance"):
             result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
                                        self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time,
-                                       self.phases)
+                                       self.phases, self.opt.prune and batch == self.opt.gbs)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound

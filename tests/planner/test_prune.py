@@ -1,0 +1,142 @@
+"""Phase 1's floor pruning (SearchOptions.prune): the floor is a lower bound of every
+configuration of a stage group (checked against all of them), and pruning changes no
+result, alternative or plan."""
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from eth.cost import CostModel
+from eth.model import LAYER_OPS
+from eth.planner.bounds import split_floor, stage_group_floor
+from eth.planner.enumerate import make_blocks, stage_groups
+from eth.planner.evaluate import Evaluator, PipeState, StageState
+from eth.planner.options import SearchOptions
+from eth.planner.pipeline import optimise_pipeline, stage_ranks
+from eth.planner.recompute_runs import RunEvaluator
+from eth.planner.search import search
+
+from _planner_data import M4, M6, make_cluster, profiles_for
+
+NODES = [{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 2},
+         {"type": "V100", "devices_per_node": 2}]
+
+
+def _cluster(memory):
+    types = {"A100": {"memory_gb": memory[0]}, "RTX3090": {"memory_gb": memory[1]}, "V100": {"memory_gb": memory[2]}}
+    return make_cluster(NODES, device_types=types)
+
+
+def _compositions(total, parts):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        b = (0,) + cuts + (total,)
+        yield [y - x for x, y in zip(b, b[1:])]
+
+
+@pytest.mark.parametrize("memory, batch", [((80, 24, 32), 8), ((4, 3, 3), 16)])
+def test_floor_is_below_every_configuration_of_each_stage_group(memory, batch):
+    cluster = _cluster(memory)
+    model = M4
+    ev = RunEvaluator(CostModel(model, cluster, profiles_for(model, cluster)))
+    blocks = make_blocks(cluster, 8)
+    tight = []
+    for g in stage_groups(blocks.types, blocks.devices(blocks.count), model.num_layers, 4):
+        ranks = stage_ranks(ev, blocks, g)
+        floor = stage_group_floor(ev, g.stages, ranks, batch)
+        best = math.inf
+        tps = [ev.valid_tps(t, n, ranks[j]) for j, (t, n) in enumerate(g.stages)]
+        for choice in itertools.product(*tps):
+            dps = [n // tp for (_, n), tp in zip(g.stages, choice)]
+            base = math.lcm(*dps)
+            for layers in _compositions(model.num_layers, len(g.stages)):
+                stages = tuple(StageState(t, n, tp, nl) for (t, n), tp, nl in zip(g.stages, choice, layers))
+                for mbs in range(base, batch + 1, base):
+                    if batch % mbs == 0:
+                        best = min(best, ev.evaluate(PipeState(stages, mbs), batch, ranks).ms)
+        assert floor <= best * (1 + 1e-12), (g.stages, floor, best)
+        if best < math.inf:
+            assert floor > 0
+            tight.append(floor / best)
+    assert tight and max(tight) > 0.5   # not a vacuous bound
+
+
+def test_stage_time_floors_are_below_every_recompute_set_that_fits():
+    # random stages and recompute sets, memory tight enough that many need recompute
+    cluster = _cluster((5, 3, 4))
+    model = M6
+    cost = CostModel(model, cluster, profiles_for(model, cluster))
+    ops = [op for op in cost.profiles.layer_costs("A100", model, 1, 1)[0] if op in LAYER_OPS]
+    rng = random.Random(7)
+    layers = np.arange(1, model.num_layers + 1, dtype=float)
+    fit = unfit = 0
+    for _ in range(400):
+        t = rng.choice(["A100", "RTX3090", "V100"])
+        tp, dp, micro = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2, 4])
+        first, last, inflight = rng.random() < 0.3, rng.random() < 0.3, rng.randint(1, 4)
+        links = (rng.choice([100.0, 300.0]), rng.choice([25.0, 100.0]), rng.choice([25.0, 100.0]))
+        row = cost.stage_time_floors(t, first, last, [(tp, dp, micro, links, inflight)], layers)[0]
+        nl = rng.randint(1, model.num_layers)
+        rec = {op: rng.randint(1, nl) for op in rng.sample(ops, rng.randint(0, len(ops)))}
+        c = cost.stage_cost_at(t, tp, dp, nl, first, last, dp * micro, rec, inflight, links)
+        if c.fits:
+            fit += 1
+            assert row[nl - 1] <= c.total_ms * (1 + 1e-12), (t, tp, dp, micro, nl, rec)
+        else:
+            unfit += 1
+    assert fit > 50 and unfit > 50
+
+
+def test_split_floor_matches_brute_force_over_splits():
+    rng = random.Random(5)
+    for _ in range(200):
+        S, total = rng.randint(1, 4), rng.randint(4, 9)
+        if S > total:
+            continue
+        rows = [np.sort(np.array([rng.choice([rng.uniform(0, 10), math.inf]) if rng.random() < 0.1
+                                  else rng.uniform(0, 10) for _ in range(total)])) for _ in range(S)]
+        brute = min(max(row[n - 1] for row, n in zip(rows, split)) for split in _compositions(total, S))
+        assert split_floor(rows, total) == brute
+
+
+def _same(a, b):
+    return (a.group.stages, a.state, a.evaluation.key, a.evaluation.recompute, a.ranks) == \
+        (b.group.stages, b.state, b.evaluation.key, b.evaluation.recompute, b.ranks)
+
+
+@pytest.mark.parametrize("memory", [(80, 24, 32), (6, 3, 4)])
+def test_pruned_phase1_returns_the_same_result_and_alternatives(memory):
+    cluster = _cluster(memory)
+    model = M6
+    blocks = make_blocks(cluster, 8)
+    db = profiles_for(model, cluster)
+    plain = RunEvaluator(CostModel(model, cluster, db))
+    pruned = RunEvaluator(CostModel(model, cluster, db))
+    fewer = 0
+    vecs = [v for v in itertools.product(*[range(c + 1) for c in blocks.count]) if sum(v)]
+    for vec, batch in itertools.product(vecs, (4, 16, 64)):
+        before = plain.evaluations
+        want = optimise_pipeline(plain, blocks, vec, batch, 150, 0, 16, prune=False)
+        plain_spent, before = plain.evaluations - before, pruned.evaluations
+        got = optimise_pipeline(pruned, blocks, vec, batch, 150, 0, 16, prune=True)
+        if want is None:
+            assert got is None
+            continue
+        assert _same(got, want), (vec, batch)
+        spent = pruned.evaluations - before
+        alternatives = got.alternatives   # completes the pruned groups that may rank
+        assert len(alternatives) == len(want.alternatives)
+        assert all(_same(a, b) for a, b in zip(alternatives, want.alternatives)), (vec, batch)
+        fewer += spent < plain_spent
+    assert pruned.evaluations <= plain.evaluations
+    assert fewer > 0   # the floor cut some stage groups
+
+
+@pytest.mark.parametrize("model, memory, gbs", [(M4, (80, 24, 32), 16), (M6, (6, 3, 4), 8)])
+def test_search_with_and_without_pruning_gives_the_same_plan(model, memory, gbs):
+    cluster = _cluster(memory)
+    db = profiles_for(model, cluster)
+    plans = [search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False, prune=p)) for p in (False, True)]
+    assert [p.to_dict()["pipelines"] for p in plans[1:]] == [plans[0].to_dict()["pipelines"]]
+    assert plans[1].search["cost_evaluations"] <= plans[0].search["cost_evaluations"]
