@@ -28,7 +28,7 @@ setup(
     package_data={"eth": ["data/*.yaml"], "megatron.hpp": ["corpus/*"]},
     py_modules=["pretrain_gpt"],
     entry_points={"console_scripts": [f"{name} = {target}" for name, target in CLI.items()]},
-    install_requires=["numpy>=1.24", "pyyaml>=6", "networkx>=3", "tqdm>=4.60", "matplotlib>=3.7"],
+    install_requires=["numpy>=1.24", "pyyaml>=6", "tqdm>=4.60", "matplotlib>=3.7"],
     extras_require={
         "runtime": ["torch>=2.6", "megatron-core>=0.16.1,<0.20"],
         # a local HuggingFace tokenizer.json for tools/preprocess_data.py --tokenizer-json
