@@ -218,43 +218,38 @@ def balance(ev: Evaluator, state: PipeState, batch: int, ranks, budget: int,
     cur = current or cost(state)
     memo[state] = cur
     spent = 1
+
+    def best_of(cands):
+        """The best (state, evaluation) of ``cands`` if it improves on ``cur``, else None."""
+        nonlocal spent
+        best = None
+        for cand in cands:
+            e = memo.get(cand)
+            if e is None:
+                e = memo[cand] = ev.evaluate(cand, batch, ranks)
+                spent += 1
+            if best is None or e.key < best[1].key:
+                best = (cand, e)
+        if best is not None and best[1].key < cur.key and (
+                best[1].overflow < cur.overflow or best[1].ms < cur.ms * (1 - 1e-9)):
+            return best
+        return None
+
     while spent < budget and not (stop is not None and stop()):
         order = sorted(range(len(state.stages)),
                        key=lambda j: (-(cur.costs[j].memory_bytes > cur.costs[j].capacity_bytes),
                                       -cur.costs[j].total_ms, j))
-        improved = False
+        best = None
         for j in order[:2]:
-            best = None
-            for cand in neighbours(ev, state, j, batch, ranks):
-                e = memo.get(cand)
-                if e is None:
-                    e = memo[cand] = ev.evaluate(cand, batch, ranks)
-                    spent += 1
-                if best is None or e.key < best[1].key:
-                    best = (cand, e)
-            if best is not None and best[1].key < cur.key and (
-                    best[1].overflow < cur.overflow or best[1].ms < cur.ms * (1 - 1e-9)):
-                state, cur = best
-                improved = True
+            best = best_of(neighbours(ev, state, j, batch, ranks))
+            if best is not None or spent >= budget:
                 break
-            if spent >= budget:
-                break
-        if not improved and spent < budget:
+        if best is None and spent < budget:
             # stuck: the joint moves of every stage of a type (or of every stage)
-            best = None
-            for cand in joint_moves(ev, state, batch, ranks):
-                e = memo.get(cand)
-                if e is None:
-                    e = memo[cand] = ev.evaluate(cand, batch, ranks)
-                    spent += 1
-                if best is None or e.key < best[1].key:
-                    best = (cand, e)
-            if best is not None and best[1].key < cur.key and (
-                    best[1].overflow < cur.overflow or best[1].ms < cur.ms * (1 - 1e-9)):
-                state, cur = best
-                improved = True
-        if not improved:
+            best = best_of(joint_moves(ev, state, batch, ranks))
+        if best is None:
             break
+        state, cur = best
     return state, cur, spent
 
 
