@@ -221,3 +221,43 @@ def test_joint_moves_leave_a_single_stage_local_optimum():
     assert min(ev.evaluate(s, 64, ranks).ms for s in joint) < e0.ms
     best, e1, _ = balance(ev, start, 64, ranks, budget=150, current=e0)
     assert e1.ms < 0.85 * e0.ms and {s.tp for s in best.stages} == {4} and best.mbs == 2
+
+
+def test_far_moves_leave_a_neighbour_local_optimum():
+    """GPT-3 175B, 8 A100 then 8 RTX3090 stages of tp 8 (one of 8 identical pipelines on
+    a100-3090-1024), B = 128, Mbs 1: phase 1 used to stop at 8 layers per A100 stage and
+    4 with full-layer recompute per RTX3090 stage; no neighbour or joint move improves
+    (a neighbour of the bottleneck takes its load), one layer from the bottleneck to the
+    least-loaded distant stage (an A100 stage) does, and the balancer then goes below
+    hexiscale-strong's split of the same stages (8,8,9,9,9,10,10,9 | 3 x 8: 24881.1 ms)."""
+    from pathlib import Path
+
+    from eth.cluster import load_cluster
+    from eth.model import get_model
+    from eth.planner.balance import far_moves, joint_moves, neighbours
+    from eth.planner.enumerate import Blocks, StageGroup
+    from eth.planner.pipeline import stage_ranks
+    root = Path(__file__).resolve().parents[2]
+    model = get_model("gpt3-175b")
+    cluster = load_cluster(root / "examples" / "clusters" / "a100-3090-1024.yaml")
+    db = ProfileDB.load(root / "profiles")
+    db.ensure(model, cluster.types.values())
+    ev = Evaluator(CostModel(model, cluster, db))
+    unit = make_blocks(cluster, cluster.world_size)
+    blocks = Blocks(unit.types, tuple(c // 8 for c in unit.count), (8,) * len(unit.count), unit.ranks, unit.nodes)
+    group = StageGroup((("A100", 8),) * 8 + (("RTX3090", 8),) * 8)
+    ranks = stage_ranks(ev, blocks, group)
+    start = PipeState(tuple(StageState(t, n, 8, layers) for (t, n), layers
+                            in zip(group.stages, (8,) * 7 + (9, 3) + (4,) * 7)), 1)
+    e0 = ev.evaluate(start, 128, ranks)
+    j = max(range(16), key=lambda k: e0.costs[k].total_ms)
+    assert group.stages[j][0] == "RTX3090" and e0.recompute[j]
+    for cand in [*neighbours(ev, start, j, 128, ranks), *joint_moves(ev, start, 128, ranks)]:
+        assert ev.evaluate(cand, 128, ranks).key >= e0.key
+    far = far_moves(start, e0, [j])
+    assert far and all(sum(s.layers for s in st.stages) == 96 for st in far)
+    assert min(ev.evaluate(s, 128, ranks).ms for s in far) < e0.ms
+    hs = PipeState(tuple(StageState(t, n, 8, layers) for (t, n), layers
+                         in zip(group.stages, (8, 8, 9, 9, 9, 10, 10, 9) + (3,) * 8)), 1)
+    _, e1, _ = balance(ev, start, 128, ranks, budget=150, current=e0)
+    assert e1.feasible and e1.ms < ev.evaluate(hs, 128, ranks).ms < e0.ms
