@@ -71,9 +71,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from eth.cluster import Cluster
+from eth.cost_floors import StageFloors
 from eth.errors import SpecError
 from eth.model import (ACT_BYTES, KNOWN_LAYER_OPS, LAYER_OPS, ModelSpec, layer_ops, post_ops, pre_ops,
                        tp_allgathers, tp_allreduces)
@@ -159,7 +158,7 @@ _LAYER_OP_SET = frozenset(KNOWN_LAYER_OPS)
 
 
 @dataclass
-class CostModel:
+class CostModel(StageFloors):
     """Predicts stage/pipeline/plan times and memory from a profile database."""
 
     model: ModelSpec
@@ -363,90 +362,6 @@ class CostModel:
         oh = self.profiles.overheads(device_type, self.model, micro, tp)
         return (ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh,
                 self._backward_bytes(ops, last))
-
-    def stage_time_floors(self, device_type: str, first: bool, last: bool, shapes, layers):
-        """Lower bounds of T_j (fwd_ms + bwd_ms of :meth:`stage_cost_at`) of a stage, one
-        row per shape (tp, dp, micro, links, in-flight micro-batches) of ``shapes`` and one
-        column per layer count of ``layers`` (a numpy array of counts >= 1), over every
-        recompute set that fits in memory; inf where none fits.  For
-        :func:`eth.planner.bounds.stage_group_floor`.
-
-        The terms of :meth:`_stage_shape` without recompute (a profile's per-checkpoint
-        overheads, which may be negative, counted at their most negative: every op of every
-        layer its own checkpointed run), plus the least recompute time that frees enough:
-        fitting needs inflight x act + backward + params x state bytes + reserved <=
-        capacity (the peak counts at least those; the re-materialised run adds >= 0), and
-        recomputing op o in n_o layers frees at most n_o x its saved bytes (a run keeps its
-        input) for n_o x its forward ms, so the least time is the fractional knapsack of
-        the ops by ms per byte, each in at most all the layers: per layer a convex
-        piecewise-linear function of the bytes to free, the largest of its segments' lines."""
-        return self.stage_time_floors_at(self.floor_table(device_type, first, last, shapes),
-                                         [f for *_, f in shapes], layers)
-
-    def floor_table(self, device_type: str, first: bool, last: bool, shapes) -> tuple:
-        """The arrays :meth:`stage_time_floors` combines, for ``shapes`` (their in-flight
-        counts are not read): one row per shape."""
-        terms = [self._floor_terms(device_type, tp, micro, first, last, links) for tp, _, micro, links, _ in shapes]
-        k = max(len(t[-1]) for t in terms)
-        rows = np.array([t[:7] for t in terms])            # per_layer, fixed, sa, ea, sw, ew, base
-        slopes = np.zeros((len(terms), k))
-        heads = np.zeros((len(terms), k))
-        for r, t in enumerate(terms):
-            slopes[r, :len(t[-1])] = t[-1]
-            heads[r, :len(t[-2])] = t[-2]
-        most = np.array([t[7] for t in terms])[:, None]   # bytes one layer can free at most
-        state = np.array([self.setup.state_bytes_per_param(dp) for _, dp, _, _, _ in shapes])[:, None]
-        capacity = self.cluster.types[device_type].memory_bytes
-        return tuple(rows[:, c:c + 1] for c in range(7)) + (slopes[:, None, :], heads[:, None, :], most, state,
-                                                            capacity)
-
-    @staticmethod
-    def stage_time_floors_at(table, inflight, layers):
-        """:meth:`stage_time_floors` from its :meth:`floor_table` and the shapes' in-flight
-        micro-batches."""
-        per_layer, fixed, sa, ea, sw, ew, base, slopes, heads, most, state, capacity = table
-        room = (capacity - base - (layers * sw + ew) * state) / np.asarray(inflight, dtype=float)[:, None]
-        need = np.maximum(layers * sa + ea - room, 0.0) / layers          # bytes to free per layer
-        knapsack = np.max(need[:, :, None] * slopes + heads, axis=2)
-        return np.where(need > most, math.inf, layers * per_layer + fixed + layers * knapsack)
-
-    def _floor_terms(self, device_type: str, tp: int, micro: int, first: bool, last: bool, links) -> tuple:
-        """:meth:`stage_time_floors`' terms of one shape, memoised: (ms per layer, fixed ms,
-        saved bytes per layer, boundary ops' saved bytes, params per layer, boundary
-        params, reserved + backward bytes, bytes one layer can free, the knapsack's line
-        intercepts and slopes: 0 and each op's ms per byte, ascending)."""
-        fkey = ("floor", device_type, tp, micro, first, last) + links
-        hit = self._cache.get(fkey)
-        if hit is not None:
-            return hit
-        pkey = ("parts", device_type, tp, micro, first, last) + links
-        parts = self._cache.get(pkey)
-        if parts is None:
-            parts = self._cache[pkey] = self._shape_parts(device_type, tp, micro, first, last, links)
-        ops, reserved, dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh, backward = parts
-        per_layer = sf + sb + oh[0] + oh[1]
-        fixed = sum(f + b for f, b, _, _ in extra) + oh[2] + oh[3] + send_f + send_b
-        for per, f_sum, b_sum in tp_parts or ():
-            if per:
-                per_layer += f_sum + b_sum
-            else:
-                fixed += f_sum + b_sum
-        if tp_parts is not None and ag is not None:
-            per_layer += ag[0] + ag[1]
-        in_layer = [ops[op] for op in ops if op in _LAYER_OP_SET]
-        per_layer += sum(min(c.fwd_ms, 0.0) for c in in_layer)
-        per_layer += len(in_layer) * sum(min(x, 0.0) for x in oh[6:10])
-        cand = sorted((max(c.fwd_ms, 0.0) / c.act_bytes, c.act_bytes) for c in in_layer if c.act_bytes > 0)
-        slopes, heads, freed, spent = [0.0], [0.0], 0.0, 0.0
-        for ratio, act in cand:      # the segment's line: spent + ratio x (x - freed)
-            slopes.append(ratio)
-            heads.append(spent - ratio * freed)
-            freed += act
-            spent += ratio * act
-        hit = self._cache[fkey] = (per_layer, fixed, sa, sum(x[3] for x in extra), sw / dtype_bytes,
-                                   sum(x[2] for x in extra) / dtype_bytes, reserved + backward, freed,
-                                   heads, slopes)
-        return hit
 
     def optimizer_ms(self, mbs: int, stage) -> float:
         """The step after the backward on one rank of ``stage`` (measured profiles'
