@@ -189,24 +189,30 @@ def test_warm_start_mbs_doubles_while_it_helps():
     assert seen, "no case where the doubling stopped early"
 
 
+def shipped(model_name: str, cluster_name: str):
+    """(cluster, Evaluator) of a shipped model on examples/clusters/<cluster_name>.yaml
+    with the repository's analytic profiles."""
+    from pathlib import Path
+
+    from eth.cluster import load_cluster
+    from eth.model import get_model
+    root = Path(__file__).resolve().parents[2]
+    model = get_model(model_name)
+    cluster = load_cluster(root / "examples" / "clusters" / f"{cluster_name}.yaml")
+    db = ProfileDB.load(root / "profiles")
+    db.ensure(model, cluster.types.values())
+    return cluster, Evaluator(CostModel(model, cluster, db))
+
+
 def test_joint_moves_leave_a_single_stage_local_optimum():
     """GPT-3 13B on b2b4-64, gbs 64: from tp 8 / Mbs 1 on all eight 8-device stages no
     single-stage move improves (one stage at tp 4 leaves max_j T_j and the pipeline's
     All-Reduce term where they are); tp 4 on every stage at once (joint_moves) does, and
     the balancer then reaches Metis's plan of that stage group (tp 4 everywhere, Mbs 2)."""
-    from pathlib import Path
-
-    from eth.cluster import load_cluster
-    from eth.model import get_model
     from eth.planner.balance import joint_moves, neighbours
     from eth.planner.enumerate import StageGroup
     from eth.planner.pipeline import stage_ranks
-    root = Path(__file__).resolve().parents[2]
-    model = get_model("gpt3-13b")
-    cluster = load_cluster(root / "examples" / "clusters" / "b2b4-64.yaml")
-    db = ProfileDB.load(root / "profiles")
-    db.ensure(model, cluster.types.values())
-    ev = Evaluator(CostModel(model, cluster, db))
+    cluster, ev = shipped("gpt3-13b", "b2b4-64")
     blocks = make_blocks(cluster, 8)
     group = StageGroup((("910B4", 8),) * 4 + (("910B2", 8),) * 4)
     ranks = stage_ranks(ev, blocks, group)
@@ -230,19 +236,10 @@ def test_far_moves_leave_a_neighbour_local_optimum():
     (a neighbour of the bottleneck takes its load), one layer from the bottleneck to the
     least-loaded distant stage (an A100 stage) does, and the balancer then goes below
     hexiscale-strong's split of the same stages (8,8,9,9,9,10,10,9 | 3 x 8: 24881.1 ms)."""
-    from pathlib import Path
-
-    from eth.cluster import load_cluster
-    from eth.model import get_model
     from eth.planner.balance import far_moves, joint_moves, neighbours
     from eth.planner.enumerate import Blocks, StageGroup
     from eth.planner.pipeline import stage_ranks
-    root = Path(__file__).resolve().parents[2]
-    model = get_model("gpt3-175b")
-    cluster = load_cluster(root / "examples" / "clusters" / "a100-3090-1024.yaml")
-    db = ProfileDB.load(root / "profiles")
-    db.ensure(model, cluster.types.values())
-    ev = Evaluator(CostModel(model, cluster, db))
+    cluster, ev = shipped("gpt3-175b", "a100-3090-1024")
     unit = make_blocks(cluster, cluster.world_size)
     blocks = Blocks(unit.types, tuple(c // 8 for c in unit.count), (8,) * len(unit.count), unit.ranks, unit.nodes)
     group = StageGroup((("A100", 8),) * 8 + (("RTX3090", 8),) * 8)
