@@ -109,33 +109,51 @@ def rank_state_bytes(plan, setup) -> dict[int, dict[str, int]]:
 
 
 def stage_allreduce_ms(cost, pipelines) -> list[list[float]]:
-    """AR_i^j (ms) for every stage j of every pipeline i (see module docstring)."""
+    """AR_i^j (ms) for every stage j of every pipeline i (see module docstring).
+
+    The layers fall into segments between consecutive stage boundaries of all pipelines;
+    each segment has one holder set (the stage of every pipeline holding it), whose
+    replica count and slowest link are found once, and a stage sums, segment by segment,
+    the segment's layer count times one layer's Eq. 6 at the stage's tp."""
     from eth.cost import eq6_allreduce_ms
 
     model, per_elem = cost.model, cost.setup.sync_bytes_per_element()
     layer_part, layer_repl = block_split(model, "layer 0")
-    result, links, blocks = [], {}, {}
+    bounds = sorted({b for q in pipelines for st in q.stages for b in st.layers})
     # the stage of pipeline q holding a layer: bisection on the stages' first layers
-    # (stage_holding's linear scan ran once per pipeline, stage and layer span)
     starts = [[hs.layers[0] for hs in q.stages] for q in pipelines]
+    segments = {}      # segment start -> (replicas N, slowest link) of its holders
+    for a, b in zip(bounds, bounds[1:]):
+        holders = [_holding(q, s, a) for q, s in zip(pipelines, starts)]
+        segments[a] = (sum(hs.dp for hs in holders),
+                       cost.cluster.link_gbps([r for hs in holders for r in hs.ranks]))
+    per_layer = {}     # (segment start, tp) -> one layer's Eq. 6 ms
+    edges = {}
+    result = []
     for p in pipelines:
         row = []
         for st in p.stages:
             total, (start, end) = 0.0, st.layers
-            layer = start
-            while layer < end:
-                holders = [_holding(q, s, layer) for q, s in zip(pipelines, starts)]
-                # the holder set is constant until any holder's stage ends
-                span_end = min([end] + [hs.layers[1] for hs in holders])
-                total += (span_end - layer) * _block_ms(cost, holders, layer_part, layer_repl,
-                                                        st.tp, per_elem, links, eq6_allreduce_ms, blocks)
-                layer = span_end
+            k = bisect_right(bounds, start) - 1
+            while start < end:
+                span_end = bounds[k + 1]
+                ms = per_layer.get((start, st.tp))
+                if ms is None:
+                    n, gbps = segments[start]
+                    ms = per_layer[(start, st.tp)] = eq6_allreduce_ms(
+                        (layer_part / st.tp + layer_repl) * per_elem, n, gbps)
+                total += (span_end - start) * ms
+                start, k = span_end, k + 1
             for edge in ("embedding", "head"):
-                if (edge == "embedding" and start == 0) or (edge == "head" and end == model.num_layers):
-                    holders = [q.stages[0] if edge == "embedding" else q.stages[-1] for q in pipelines]
-                    part, repl = block_split(model, edge)
-                    total += _block_ms(cost, holders, part, repl, st.tp, per_elem, links, eq6_allreduce_ms,
-                                       blocks)
+                if (edge == "embedding" and st.layers[0] == 0) or (edge == "head" and end == model.num_layers):
+                    ms = edges.get((edge, st.tp))
+                    if ms is None:
+                        holders = [q.stages[0] if edge == "embedding" else q.stages[-1] for q in pipelines]
+                        part, repl = block_split(model, edge)
+                        ms = edges[(edge, st.tp)] = eq6_allreduce_ms(
+                            (part / st.tp + repl) * per_elem, sum(hs.dp for hs in holders),
+                            cost.cluster.link_gbps([r for hs in holders for r in hs.ranks]))
+                    total += ms
             row.append(total)
         result.append(row)
     return result
@@ -149,18 +167,3 @@ def _holding(q, starts, layer: int):
         if hs.layers[0] <= layer < hs.layers[1]:
             return hs
     return q.stages[stage_holding(q, layer)]   # no such stage: its error
-
-
-def _block_ms(cost, holders, part, repl, tp, per_elem, links, eq6, blocks=None) -> float:
-    key = tuple(id(hs) for hs in holders)
-    if blocks is not None:
-        hit = blocks.get((key, part, repl, tp))
-        if hit is not None:
-            return hit
-    n = sum(hs.dp for hs in holders)
-    if key not in links:
-        links[key] = cost.cluster.link_gbps([r for hs in holders for r in hs.ranks])
-    ms = eq6((part / tp + repl) * per_elem, n, links[key])
-    if blocks is not None:
-        blocks[(key, part, repl, tp)] = ms
-    return ms

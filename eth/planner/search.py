@@ -202,7 +202,7 @@ class HPPSearch:
         groups, tps and layer counts, all that Eq. 6 reads (not Mbs, Lbs or recompute)."""
         if not self.opt.memo:
             return self.cost.stage_allreduce_ms(plan.pipelines)
-        key = tuple((r.group.stages, tuple((st.tp, st.layers) for st in r.state.stages)) for r in results)
+        key = tuple((r.group.stages, r.state.stages) for r in results)   # stage states: tp, layers
         hit = self._ar.get(key)
         if hit is None:
             hit = self._ar[key] = self.cost.stage_allreduce_ms(plan.pipelines)

@@ -113,3 +113,58 @@ def test_plan_memory_with_zero_uses_the_exact_participants():
     exact = 2016 * 2 + 3 * 672 * 4 + 672 * 12
     got = ev["pipelines"][1]["costs"][0].memory_bytes
     assert got == pytest.approx(cost.memory_bytes - estimate + exact)
+
+
+def test_allreduce_segments_match_a_layer_by_layer_sum_on_random_plans():
+    """stage_allreduce_ms sums Eq. 6 over segments of layers with one holder set; the same
+    sum layer by layer (every pipeline's holder, all their ranks' slowest link), on random
+    plans over two types on four nodes (intra-node, inter-node and inter-type links)."""
+    import random
+
+    from eth.cost import eq6_allreduce_ms
+    from eth.sync_cost import block_split
+
+    model = ModelSpec("t8", num_layers=8, hidden=8, heads=4, ffn=32, seq_len=4, vocab=16, dropout=0.0)
+    two = Cluster.from_dict({"name": "two", "inter_node_gbps": 100, "inter_type_gbps": 25, "intra_node_gbps": 80,
+                             "nodes": [{"type": "A100", "devices_per_node": 4, "count": 2},
+                                       {"type": "V100", "devices_per_node": 4, "count": 2}]})
+    by_type = {"A100": list(range(8)), "V100": list(range(8, 16))}
+    rng = random.Random(3)
+    for _ in range(40):
+        free = {t: rng.sample(r, len(r)) for t, r in by_type.items()}
+        pipes = []
+        for _ in range(rng.randint(1, 3)):
+            cuts = sorted(rng.sample(range(1, 8), rng.randint(0, 3)))
+            stages = []
+            for a, b in zip([0] + cuts, cuts + [8]):
+                t = rng.choice([t for t in free if len(free[t]) >= 2] or ["A100"])
+                if len(free[t]) < 2:
+                    break
+                tp = rng.choice([1, 2])
+                ranks = [free[t].pop() for _ in range(2)]
+                stages.append(StagePlan(ranks, t, tp, 2 // tp, (a, b)))
+            else:
+                pipes.append(PipelinePlan(2, 2, stages))
+        if not pipes:
+            continue
+        plan = Plan(model, two, 2 * len(pipes), pipes)
+        db = ProfileDB()
+        db.ensure(model, two.types.values())
+        cost = CostModel(model, two, db)
+        per = cost.setup.sync_bytes_per_element()
+
+        def block(name, holders, tp):
+            part, repl = block_split(model, name)
+            return eq6_allreduce_ms((part / tp + repl) * per, sum(h.dp for h in holders),
+                                    two.link_gbps([r for h in holders for r in h.ranks]))
+
+        ar = cost.stage_allreduce_ms(plan.pipelines)
+        for i, p in enumerate(plan.pipelines):
+            for j, s in enumerate(p.stages):
+                want = sum(block("layer 0", [next(h for h in q.stages if h.layers[0] <= l < h.layers[1])
+                                             for q in plan.pipelines], s.tp) for l in range(*s.layers))
+                if j == 0:
+                    want += block("embedding", [q.stages[0] for q in plan.pipelines], s.tp)
+                if j == len(p.stages) - 1:
+                    want += block("head", [q.stages[-1] for q in plan.pipelines], s.tp)
+                assert ar[i][j] == pytest.approx(want, rel=1e-12), (i, j)
