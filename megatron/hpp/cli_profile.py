@@ -7,8 +7,9 @@ installed as ``hpp-profile``.
         --mbs 1,2,4,8 --tp 1,2,4,8 --collectives -o profiles/measured/H100.json
 
 Ops are the runtime's own (megatron/hpp/model.py), one tp rank's shard each; what is
-measured and how: megatron/hpp/profiler.py and docs/RUNTIME.md.  An existing measured
-file of the same device keeps its other model shapes (same shape: replaced).  Timings
+measured and how: megatron/hpp/profiler.py and docs/RUNTIME.md; the file and its
+merging: megatron/hpp/profile_file.py.  An existing measured file of the same device
+keeps its other model shapes (same shape: replaced).  Timings
 taken on the CPU are refused under a catalog GPU/NPU name (``--device-type A100``) unless
 ``--force`` is given (other names that do not start with "cpu" get a warning): they would make the planner believe an A100 is as slow as a CPU.
 """
@@ -73,7 +74,7 @@ def _main(argv=None) -> int:
 
     import torch
 
-    from megatron.hpp import profiler
+    from megatron.hpp import profile_file, profiler
 
     cfg = profiler.ProfileConfig(model, args.device_type, mbs, tp,
                                  args.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
@@ -85,11 +86,11 @@ def _main(argv=None) -> int:
         raise SpecError(f"{warning}; measure on that device, name the profile cpu-..., "
                         f"or give --force")  # every rank, before any work
     out = Path(args.output)
-    profiler.check_output_path(out)
+    profile_file.check_output_path(out)
     old = None
     if out.exists():
         old = load_profile(out).data
-        profiler.check_merge_target(old, cfg.device_type, str(out))
+        profile_file.check_merge_target(old, cfg.device_type, str(out))
 
     collectives = None
     if args.collectives:
@@ -108,20 +109,20 @@ def _main(argv=None) -> int:
             cfg, device, lambda m, t, op: (bar.set_postfix_str(f"mbs {m} tp {t} {op}"), bar.update()))
     finally:
         bar.close()
-    prov = profiler.provenance(cfg, device, "python tools/profile_ops.py " + shlex.join(argv))
+    prov = profile_file.provenance(cfg, device, "python tools/profile_ops.py " + shlex.join(argv))
     if collectives:
         prov["collectives"] = {"world_size": world, "sizes_bytes": "full buffer per rank (fp32)",
                                "statistic": "median over repeats, max over ranks"}
-    data = profiler.profile_dict(cfg, entries, prov, collectives)
+    data = profile_file.profile_dict(cfg, entries, prov, collectives)
     if old is not None:
-        data = profiler.merge_profiles(old, data, str(out))
+        data = profile_file.merge_profiles(old, data, str(out))
     from eth.profiles import save_profile
 
     try:
         save_profile(data, out)
     except OSError as exc:
         raise SpecError(f"cannot write {out}: {exc.strerror or exc}") from None
-    print(profiler.summary_table(cfg, entries))
+    print(profile_file.summary_table(cfg, entries))
     print(f"wrote {out} ({len(entries)} (mbs, tp) entries for {model.name} on {cfg.device_type}"
           f"{', collectives ' + ','.join(collectives) if collectives else ''})")
     return 0

@@ -1,9 +1,9 @@
 """Measured op profiles: every op of ``eth.model.all_ops(spec)`` timed and sized on this device.
 
 :func:`measure_entries` runs, for each (mbs, tp) and op, the *runtime's own* op code;
-:func:`profile_dict` wraps the entries into a profile in the format of
-``eth.profiles`` ("source": "measured"); :func:`merge_profiles` merges it into an
-existing measured file.  What is measured and how:
+:mod:`megatron.hpp.profile_file` wraps the entries into a profile in the format of
+``eth.profiles`` ("source": "measured") and merges it into an existing measured file.
+What is measured and how:
 
 * Op modules.  The layer ops (the 13 of a GPT; with RMSNorm, rotary embeddings,
   grouped-query attention, SwiGLU or fused attention those of ``eth.model.layer_ops``)
@@ -77,8 +77,8 @@ from dataclasses import dataclass
 import torch
 
 from eth.errors import SpecError
-from eth.model import ACT_BYTES, ModelSpec, all_ops, op_shapes, post_ops
-from eth.profiles import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS, DeviceProfile, entry_shape
+from eth.model import ModelSpec, all_ops, post_ops
+from eth.profiles import OP_FIELDS, RESERVED_BYTES
 
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -567,119 +567,3 @@ def _real_tp_worker(rank: int, cfg: ProfileConfig, tp: int, tmp: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        mcore = version("megatron-core")
-    except PackageNotFoundError:
-        mcore = "unknown"
-    cuda = device.type == "cuda"
-    return {
-        "generator": "tools/profile_ops.py (megatron.hpp.profiler)",
-        "device_name": device_description(device), "device": str(device),
-        "torch": torch.__version__, "megatron_core": mcore, "cuda": torch.version.cuda if cuda else None,
-        "dtype": cfg.dtype, "dtype_bytes": DTYPE_BYTES[cfg.dtype],
-        "repeats": cfg.repeats, "warmup": cfg.warmup, "statistic": "median",
-        "timer": "CUDA events" if cuda else ("time.thread_time (thread CPU time)" if torch.get_num_threads() == 1
-                                             else "time.perf_counter"),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-        "op_modules": "megatron.hpp.model Layer / GPTStage at one tp rank's shard shapes " + (
-            "(tp > 1: tp processes on a real gloo group, rank 0's times: tp collectives included)"
-            if cfg.real_tp else "(fake tp group: tp collectives are not included)"),
-        "act_bytes": "unique non-parameter storages packed by saved_tensors_hooks in the op's forward "
-                     "(a storage saved by several ops is counted once, in the first)",
-        "reserved_bytes": ("CUDA context (mem_get_info used - memory_reserved) + largest op workspace "
-                           "(max_memory_reserved - memory_allocated before the op)") if cuda else
-                          f"eth.profiles.RESERVED_BYTES = {RESERVED_BYTES:g} (analytic default; not measured on CPU)",
-    }
-
-
-def profile_dict(cfg: ProfileConfig, entries: list[dict], prov: dict, collectives: dict | None = None) -> dict:
-    """A version-1 profile JSON dict holding one model shape."""
-    model = {"name": cfg.model.name, "shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS},
-             "provenance": prov, "entries": entries}
-    if cfg.real_tp and max(cfg.tp) > 1:   # tp > 1 timed on a real tp group: its collectives are in the op times
-        model["tp_comm_included"] = True
-    # one shard timed on a fake tp group: the tp all-reduces are not in the op times
-    data = {"version": PROFILE_VERSION, "device": cfg.device_type, "source": "measured",
-            "provenance": prov, "op_fields": list(OP_FIELDS), "tp_comm_included": False,
-            "models": [model]}
-    if collectives:
-        data["collectives"] = collectives
-    return data
-
-
-def check_merge_target(old: dict, device_type: str, where: str = "output") -> None:
-    """A measured profile of ``device_type`` may be merged into ``old`` (else SpecError)."""
-    prof = DeviceProfile(old, where=where)
-    if prof.device != device_type:
-        raise SpecError(f"{where} holds device {prof.device!r}, not {device_type!r}; "
-                        f"write to another file")
-    if prof.source != "measured":
-        raise SpecError(f"{where} holds {prof.source!r} profiles; write measured ones to another "
-                        f"file (e.g. profiles/measured/{device_type}.json)")
-
-
-def merge_profiles(old: dict, new: dict, where: str = "output") -> dict:
-    """``new``'s model shapes and collective tables replace the same ones in ``old``;
-    other shapes (each with its own provenance) are kept."""
-    check_merge_target(old, new["device"], where)
-    shapes = {entry_shape(m["shape"]) for m in new["models"]}
-    models = [m for m in old["models"] if entry_shape(m["shape"]) not in shapes]
-    merged = dict(old, provenance=new["provenance"], models=models + new["models"])
-    colls = {k: dict(v) for k, v in (old.get("collectives") or {}).items()}
-    for kind, table in (new.get("collectives") or {}).items():
-        colls.setdefault(kind, {}).update(table)
-    if colls:
-        merged["collectives"] = colls
-    return merged
-
-
-# ----------------------------------------------------------------------------------
-# Summary.
-
-def summary_table(cfg: ProfileConfig, entries: list[dict]) -> str:
-    """op, fwd/bwd ms, act MB at the largest mbs (smallest tp), and measured/analytic ratios
-    of fwd time and act bytes (analytic act scaled from 2-byte to the measured dtype)."""
-    from eth.cluster import catalog
-
-    mbs, tp = max(cfg.mbs), min(cfg.tp)
-    entry = next(e for e in entries if e["mbs"] == mbs and e["tp"] == tp)
-    dev = catalog().get(cfg.device_type)
-    analytic = shapes = None
-    if dev is not None:
-        from eth.profiles import analytic_op_costs
-
-        analytic = analytic_op_costs(dev, cfg.model, mbs, tp)
-    shapes = op_shapes(cfg.model, mbs, tp)
-    scale = DTYPE_BYTES[cfg.dtype] / ACT_BYTES
-    lines = [f"{cfg.model.name} on {cfg.device_type} ({cfg.dtype}), mbs {mbs}, tp {tp}:",
-             f"{'op':<18}{'fwd ms':>10}{'bwd ms':>10}{'act MB':>10}{'fwd/an':>9}{'act/an':>9}"]
-    for op in all_ops(cfg.model):
-        fwd, bwd, _, act = entry["ops"][op][:4]
-        r_fwd = f"{fwd / analytic[op][0]:.2f}" if analytic else "-"
-        an_act = shapes[op].act_bytes * scale
-        r_act = f"{act / an_act:.2f}" if an_act > 0 else ("-" if act == 0 else "inf")
-        lines.append(f"{op:<18}{fwd:>10.4f}{bwd:>10.4f}{act / 2**20:>10.4f}{r_fwd:>9}{r_act:>9}")
-    note = (f"fwd/an: measured / roofline for catalog {cfg.device_type}" if analytic
-            else f"fwd/an: '{cfg.device_type}' is not in the device catalog")
-    lines.append(f"{note}; act/an: measured / eth.model.op_shapes scaled to {cfg.dtype}")
-    lines.append("(the formula's token ids, layernorm stats and fp32 logits do not scale with the dtype; "
-                 "differences per op: docs/RUNTIME.md, 'Measured profiles')")
-    return "\n".join(lines)
-
-
-def check_output_path(path) -> None:
-    """Fail early (SpecError) when ``path`` cannot be written."""
-    from pathlib import Path
-
-    from eth.cli import check_output_file
-
-    path = Path(path)
-    check_output_file(path, "output")
-    if path.exists() and not os.access(path.parent, os.W_OK):
-        raise SpecError(f"output {path} cannot be replaced ({path.parent} is not writable)")

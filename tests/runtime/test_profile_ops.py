@@ -1,6 +1,7 @@
-"""tools/profile_ops.py + megatron/hpp/profiler.py on the CPU: the written profile loads
-and serves every profiled (mbs, tp); measured sizes against eth.model.op_shapes; the
-composed ops reproduce GPTStage; bad input; merging; collectives on 2 gloo ranks.
+"""tools/profile_ops.py + megatron/hpp/profiler.py and profile_file.py on the CPU: the
+written profile loads and serves every profiled (mbs, tp); measured sizes against
+eth.model.op_shapes; the composed ops reproduce GPTStage; bad input; merging;
+collectives on 2 gloo ranks.
 No timing thresholds: times are only checked to be positive and finite.
 
 Saved activations (fp32 here, E = 4 bytes; op_shapes uses 2-byte activations, so its
@@ -312,13 +313,13 @@ def test_real_tp_group_measures_with_the_collectives(measured):
     from eth.cost import CostModel
     from eth.precision import TrainSetup
     from eth.profiles import DeviceProfile
-    from megatron.hpp import profiler
+    from megatron.hpp import profile_file, profiler
 
     cfg = profiler.ProfileConfig(TINY, "cpu", (1, 2), (2,), repeats=2, warmup=1, overheads=False, real_tp=True)
     got = profiler.measure_entries(cfg, torch_cpu())
-    data = profiler.profile_dict(cfg, got, {"command": "test"})
+    data = profile_file.profile_dict(cfg, got, {"command": "test"})
     assert data["tp_comm_included"] is False and data["models"][0]["tp_comm_included"] is True
-    assert "real gloo group" in profiler.provenance(cfg, torch_cpu(), "x")["op_modules"]
+    assert "real gloo group" in profile_file.provenance(cfg, torch_cpu(), "x")["op_modules"]
     fake = entries(measured)
     assert [(e["mbs"], e["tp"]) for e in got] == [(1, 2), (2, 2)]
     for e in got:
