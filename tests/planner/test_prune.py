@@ -4,11 +4,13 @@ result, alternative or plan."""
 import itertools
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from eth.cost import CostModel
+from eth.cost_floors import _recompute_hull
 from eth.planner import bounds
 from eth.model import LAYER_OPS
 from eth.planner.bounds import split_floor, split_floors, stage_group_floor, sum_floors
@@ -101,6 +103,36 @@ def test_stage_time_floors_are_below_every_recompute_set_that_fits():
         else:
             unfit += 1
     assert fit > 50 and unfit > 50
+
+
+def test_recompute_hull_is_below_every_recompute_set_of_a_layer():
+    # random layers of 1-7 ops: for every bytes-to-free x, the hull is at most the least
+    # forward ms of the sets that free x (CostModel._layer_savings), exact at the most
+    # bytes, and at least the fractional knapsack it replaced (each op frees its act)
+    rng = random.Random(13)
+    tighter = 0
+    for _ in range(150):
+        k = rng.randint(1, 7)
+        ops = {f"op{i}": SimpleNamespace(fwd_ms=rng.uniform(0, 3), act_bytes=rng.choice([0.0, rng.uniform(0, 10)]),
+                                         input_bytes=rng.uniform(0, 6)) for i in range(k)}
+        order = tuple(ops)
+        heads, slopes, most = _recompute_hull(list(ops.values()))
+        points = [(CostModel._layer_savings(ops, set(r), order), sum(ops[o].fwd_ms for o in r))
+                  for n in range(k + 1) for r in itertools.combinations(order, n)]
+        assert math.isclose(most, max(f for f, _ in points))
+        for x in [rng.uniform(0, most) for _ in range(20)] + [f for f, _ in points]:
+            hull = max(h + s * x for h, s in zip(heads, slopes))
+            least = min(t for f, t in points if f >= x)
+            assert hull <= least * (1 + 1e-12) + 1e-12, (x, hull, least)
+            frac, left = 0.0, x
+            for ratio, act in sorted((o.fwd_ms / o.act_bytes, o.act_bytes) for o in ops.values() if o.act_bytes > 0):
+                frac += ratio * min(act, max(left, 0.0))
+                left -= act
+            assert hull >= frac * (1 - 1e-12) - 1e-12
+            tighter += hull > frac * (1 + 1e-6)
+        top = max(h + s * most for h, s in zip(heads, slopes))
+        assert math.isclose(top, min(t for f, t in points if f >= most * (1 - 1e-12)), rel_tol=1e-9, abs_tol=1e-12)
+    assert tighter > 100
 
 
 def test_split_floor_matches_brute_force_over_splits():
