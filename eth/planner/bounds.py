@@ -132,6 +132,11 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
         rows.append(row)
     rows = np.stack(rows)                         # (stage, Mbs, layers)
     fill = np.array([batch // m - 1 for m in _divisors(batch)], dtype=float)
+    some = np.isfinite(rows[:, :, 0]).all(axis=0)   # the Mbs where one layer fits on every stage
+    if not some.all():
+        if not some.any():
+            return math.inf
+        rows, fill = rows[:, some], fill[some]
     with np.errstate(invalid="ignore"):           # 0 x inf: an Mbs of one micro-batch that does not fit
         total = np.where(fill > 0, fill * split_floors(rows, L), 0.0) + sum_floors(rows, L)
     return float(np.min(total))
