@@ -7,6 +7,7 @@ prunes stage groups.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -31,10 +32,11 @@ class StageFloors:
         layer its own checkpointed run), plus the least recompute time that frees enough:
         fitting needs inflight x act + backward + params x state bytes + reserved <=
         capacity (the peak counts at least those; the re-materialised run adds >= 0), and
-        recomputing op o in n_o layers frees at most n_o x its saved bytes (a run keeps its
-        input) for n_o x its forward ms, so the least time is the fractional knapsack of
-        the ops by ms per byte, each in at most all the layers: per layer a convex
-        piecewise-linear function of the bytes to free, the largest of its segments' lines."""
+        the recompute frees the sum over the stage's layers of what each layer's set frees
+        (:meth:`eth.cost.CostModel._recompute_savings`) for the sum of their forward ms, so
+        the least time is at least layers x h(bytes to free / layers) for a convex h below
+        one layer's least time per bytes freed (:func:`_recompute_hull`): a convex
+        piecewise-linear function, the largest of its segments' lines."""
         return self.stage_time_floors_at(self.floor_table(device_type, first, last, shapes),
                                          [f for *_, f in shapes], layers)
 
@@ -68,8 +70,8 @@ class StageFloors:
     def _floor_terms(self, device_type: str, tp: int, micro: int, first: bool, last: bool, links) -> tuple:
         """:meth:`stage_time_floors`' terms of one shape, memoised: (ms per layer, fixed ms,
         saved bytes per layer, boundary ops' saved bytes, params per layer, boundary
-        params, reserved + backward bytes, bytes one layer can free, the knapsack's line
-        intercepts and slopes: 0 and each op's ms per byte, ascending)."""
+        params, reserved + backward bytes, bytes one layer can free, the intercepts and
+        slopes (ascending, from 0) of :func:`_recompute_hull`'s lines)."""
         fkey = ("floor", device_type, tp, micro, first, last) + links
         hit = self._cache.get(fkey)
         if hit is not None:
@@ -91,14 +93,78 @@ class StageFloors:
         in_layer = [ops[op] for op in ops if op in _LAYER_OP_SET]
         per_layer += sum(min(c.fwd_ms, 0.0) for c in in_layer)
         per_layer += len(in_layer) * sum(min(x, 0.0) for x in oh[6:10])
-        cand = sorted((max(c.fwd_ms, 0.0) / c.act_bytes, c.act_bytes) for c in in_layer if c.act_bytes > 0)
+        hkey = ("floor hull", device_type, tp, micro)
+        hull = self._cache.get(hkey)
+        if hull is None:
+            hull = self._cache[hkey] = _recompute_hull(in_layer)
+        heads, slopes, freed = hull
+        hit = self._cache[fkey] = (per_layer, fixed, sa, sum(x[3] for x in extra), sw / dtype_bytes,
+                                   sum(x[2] for x in extra) / dtype_bytes, reserved + backward, freed,
+                                   heads, slopes)
+        return hit
+
+
+MAX_HULL_OPS = 16
+"""Layer ops up to which :func:`_recompute_hull` enumerates every recompute set of a layer."""
+
+
+def _recompute_hull(in_layer) -> tuple[list, list, float]:
+    """(intercepts, slopes, most bytes) of the lines whose maximum is a convex lower bound
+    of the least recompute ms that frees x bytes of one layer, 0 <= x <= most.
+
+    A layer that recomputes the set R of its ops (``in_layer``, in layer order) frees, as
+    :meth:`eth.cost.CostModel._layer_savings` counts it, per maximal run of R its ops'
+    saved bytes less the run's input, at least 0, for sum_{o in R} fwd ms (counted here at
+    max(fwd, 0)).  Without the "at least 0" a set frees no more, and dropping a run that
+    frees nothing keeps what the set frees for no more time, so the least time per bytes
+    is the same with the linear count, sum_{o in R} saved bytes - sum of the runs' inputs:
+    one matrix product over every R (up to ``MAX_HULL_OPS`` ops).  The lower convex hull
+    of the points (freed, ms) from (0, 0) is below the step function min{ms(R) :
+    freed(R) >= x}, non-decreasing and convex, so a stage's least recompute time over its
+    layers is at least layers x hull(bytes to free / layers) (Jensen).  With more ops, the
+    fractional knapsack of the ops by ms per byte (each op frees at most its saved bytes),
+    which is below the hull.  Memoised by the ops' numbers (searches of one profile
+    database share them)."""
+    return _hull(tuple((max(c.fwd_ms, 0.0), c.act_bytes, c.input_bytes) for c in in_layer))
+
+
+@functools.lru_cache(maxsize=4096)
+def _hull(ops: tuple) -> tuple[list, list, float]:
+    """:func:`_recompute_hull` of ``ops`` = ((fwd ms >= 0, saved bytes, input bytes), ...)."""
+    if len(ops) > MAX_HULL_OPS:
+        cand = sorted((ms / act, act) for ms, act, _ in ops if act > 0)
         slopes, heads, freed, spent = [0.0], [0.0], 0.0, 0.0
         for ratio, act in cand:      # the segment's line: spent + ratio x (x - freed)
             slopes.append(ratio)
             heads.append(spent - ratio * freed)
             freed += act
             spent += ratio * act
-        hit = self._cache[fkey] = (per_layer, fixed, sa, sum(x[3] for x in extra), sw / dtype_bytes,
-                                   sum(x[2] for x in extra) / dtype_bytes, reserved + backward, freed,
-                                   heads, slopes)
-        return hit
+        return heads, slopes, freed
+    members, starts = _sets(len(ops))
+    fwd, act, inp = (np.array(column) for column in zip(*ops))
+    freed = members @ act - starts @ inp
+    ms = members @ fwd
+    # the lower hull from (0, 0), vertex by vertex: the point of least slope (the
+    # farthest of equal slopes) among those beyond the last vertex
+    x0, y0, heads, slopes = 0.0, 0.0, [0.0], [0.0]
+    while True:
+        beyond = freed > x0
+        if not beyond.any():
+            return heads, slopes, x0
+        f, t = freed[beyond], ms[beyond]
+        slope = (t - y0) / (f - x0)
+        least = slope.min()
+        k = np.flatnonzero(slope == least)
+        k = k[np.argmax(f[k])]
+        slopes.append(float(least))
+        heads.append(y0 - float(least) * x0)
+        x0, y0 = float(f[k]), float(t[k])
+
+
+@functools.lru_cache(maxsize=None)
+def _sets(k: int):
+    """For every subset R of k ops (bit i: op i): its members and its runs' first ops, as
+    (2^k, k) 0 / 1 matrices."""
+    bits = (np.arange(1 << k)[:, None] >> np.arange(k)) & 1
+    before = np.concatenate([np.zeros((1 << k, 1), dtype=bits.dtype), bits[:, :-1]], axis=1)
+    return bits.astype(float), (bits & (1 - before)).astype(float)

@@ -111,16 +111,17 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
     ``state`` of the stage group ``stages`` ((type, devices), ...) on ``ranks``: every
     layer split, valid tp, Mbs dividing ``batch`` and recompute set.
 
-    Eq. 1 (plus the pipeline's own All-Reduce, >= 0) is at least (B / Mbs) x T_j for each
-    stage j, and T_j is at least :meth:`eth.cost.CostModel.stage_time_floor` of l_j
-    layers (its terms without recompute plus the least recompute time that lets it fit
-    in memory; inf if nothing fits) at its tp and micro = Mbs / dp_j.  Times
-    B / (dp_j x micro), its minimum over the stage's valid tps and the micros dividing
-    B / dp_j, made non-decreasing in l_j, is f_j(l_j) (:func:`_stage_floor`).  The bound is the
-    min over integer splits (l_j >= 1, sum = L) of max_j f_j(l_j): the smallest t with
-    f_j(1) <= t for every j and at least L values f_j(l) <= t, i.e. the larger of
-    max_j f_j(1) and the L-th smallest of all f_j(l).  inf when a stage has no valid tp
-    whose dp divides ``batch`` (or nothing fits)."""
+    For one Mbs (a divisor of B, divisible by every stage's dp), Eq. 1 is
+    (nmb - 1) x max_j T_j + sum_j T_j with nmb = B / Mbs, plus the pipeline's own
+    All-Reduce term (>= 0).  T_j of l_j layers is at least
+    :meth:`eth.cost.CostModel.stage_time_floors` at the stage's tp and micro = Mbs / dp_j
+    (its terms without recompute plus the least recompute time that lets it fit in
+    memory; inf if nothing fits); its minimum over the stage's valid tps whose dp divides
+    Mbs, made non-decreasing in l_j, is g_j(l_j) (:func:`_stage_floor`).  Over the integer
+    splits (l_j >= 1, sum = L), max_j g_j(l_j) is at least :func:`split_floors` and
+    sum_j g_j(l_j) at least :func:`sum_floors`, so Eq. 1 is at least
+    (nmb - 1) x split floor + sum floor; the bound is its minimum over Mbs.  inf when no
+    Mbs admits a valid tp for every stage (or nothing fits)."""
     L = ev.model.num_layers
     S = len(stages)
     rows = []
@@ -129,7 +130,16 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
         if row is None:
             return math.inf
         rows.append(row)
-    return split_floor(rows, L)
+    rows = np.stack(rows)                         # (stage, Mbs, layers)
+    fill = np.array([batch // m - 1 for m in _divisors(batch)], dtype=float)
+    some = np.isfinite(rows[:, :, 0]).all(axis=0)   # the Mbs where one layer fits on every stage
+    if not some.all():
+        if not some.any():
+            return math.inf
+        rows, fill = rows[:, some], fill[some]
+    with np.errstate(invalid="ignore"):           # 0 x inf: an Mbs of one micro-batch that does not fit
+        total = np.where(fill > 0, fill * split_floors(rows, L), 0.0) + sum_floors(rows, L)
+    return float(np.min(total))
 
 
 def split_floor(rows, total: int) -> float:
@@ -137,16 +147,45 @@ def split_floor(rows, total: int) -> float:
     for rows non-decreasing and of length >= total - len(rows) + 1 (numpy arrays): the
     larger of max_j rows[j][0] and the ``total``-th smallest value of all rows (the
     module's :func:`stage_group_floor`)."""
-    first = max(float(row[0]) for row in rows)
-    values = np.concatenate([row[:total - len(rows) + 1] for row in rows])
-    return max(first, float(np.partition(values, total - 1)[total - 1]))
+    return float(split_floors(np.stack([np.asarray(r, dtype=float)[:total - len(rows) + 1] for r in rows])[:, None],
+                              total)[0])
+
+
+def split_floors(rows, total: int):
+    """:func:`split_floor` of ``rows[:, k]`` for each k of a (stages, k, >= total -
+    stages + 1) array, at once."""
+    S = rows.shape[0]
+    width = total - S + 1
+    first = rows[:, :, 0].max(axis=0)
+    values = np.moveaxis(rows[:, :, :width], 0, 1).reshape(rows.shape[1], S * width)
+    return np.maximum(first, np.partition(values, total - 1, axis=1)[:, total - 1])
+
+
+def sum_floors(rows, total: int):
+    """A lower bound of min over integer splits (n_j >= 1, sum n_j = ``total``) of
+    sum_j rows[j, k, n_j - 1], for each k of a (stages, k, >= total - stages + 1) array
+    non-decreasing along its last axis: sum_j rows[j, k, 0] plus the total - stages
+    smallest of all increments rows[j, k, n] - rows[j, k, n - 1] (n < total - stages + 1).
+    A split's sum is its first values plus n_j - 1 increments of each row j, total -
+    stages increments in all, each >= 0; exact when every row is convex."""
+    S = rows.shape[0]
+    extra = total - S
+    head = rows[:, :, 0].sum(axis=0)
+    if extra == 0:
+        return head
+    part = rows[:, :, :extra + 1]
+    with np.errstate(invalid="ignore"):           # inf - inf: no split reaches it
+        steps = np.where(np.isinf(part[:, :, 1:]), math.inf, np.diff(part, axis=2))
+    steps = np.moveaxis(steps, 0, 1).reshape(rows.shape[1], S * extra)
+    return head + np.partition(steps, extra - 1, axis=1)[:, :extra].sum(axis=1)
 
 
 def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
-    """f_j(l) for l = 1..L (numpy; :func:`stage_group_floor`) of stage j of S on ``ranks``,
-    memoised on the evaluator by all it reads (the stage's type, devices, first / last,
-    stages after it, batch and its links for each valid tp); None when no tp's dp
-    divides ``batch``."""
+    """g_j (:func:`stage_group_floor`) of stage j of S on ``ranks``: a numpy array with
+    one row per Mbs (the divisors of ``batch``, ascending; inf where no valid tp's dp
+    divides it) and one column per layer count 1..L, memoised on the evaluator by all it
+    reads (the stage's type, devices, first / last, stages after it, batch and its links
+    for each valid tp); None when no tp's dp divides ``batch``."""
     cost = ev.cost
     lkey = ("links", ranks, j)
     hit = ev._floors.get(lkey)
@@ -159,28 +198,28 @@ def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
     hit = ev._floors.get(key)
     if hit is not None or key in ev._floors:
         return hit
-    # the shapes (tp, micro) and their cost terms do not depend on S - j: one table
+    # the shapes (tp, micro), ordered by Mbs = dp x micro, and their cost terms do not
+    # depend on S - j: one table
     tkey = ("table",) + key[:4] + key[5:]
     table = ev._floors.get(tkey)
     if table is None:
-        shapes, scale = [], []
-        for tp, lk in zip(tps, links):
-            dp = n // tp
-            if batch % dp:
-                continue
-            for micro in _divisors(batch // dp):
-                shapes.append((tp, dp, micro, lk, 1))
-                scale.append(batch / (dp * micro))
-        table = ev._floors[tkey] = (shapes, np.array(scale)[:, None],
+        mbss = _divisors(batch)
+        shapes = sorted(((tp, n // tp, mbs // (n // tp), lk, 1) for tp, lk in zip(tps, links)
+                         for mbs in mbss if batch % (n // tp) == 0 and mbs % (n // tp) == 0),
+                        key=lambda s: s[1] * s[2])
+        which = [mbss.index(dp * micro) for _, dp, micro, _, _ in shapes]
+        starts = [k for k in range(len(which)) if k == 0 or which[k] != which[k - 1]]
+        table = ev._floors[tkey] = (shapes, np.array([which[k] for k in starts]), np.array(starts, dtype=np.intp),
                                     cost.floor_table(t, j == 0, j == S - 1, shapes) if shapes else None)
-    shapes, scale, terms = table
+    shapes, used, starts, terms = table
     f = None
     if shapes:
         # the in-flight micro-batches of evaluate: min(S - j, B / Mbs), at least 1
         inflight = [max(1, min(S - j, batch // (dp * micro))) for _, dp, micro, _, _ in shapes]
         layers = np.arange(1, ev.model.num_layers + 1, dtype=float)
-        f = np.min(cost.stage_time_floors_at(terms, inflight, layers) * scale, axis=0)
-    if f is not None:
-        f = np.minimum.accumulate(f[::-1])[::-1]   # non-decreasing in l: still a lower bound
+        times = cost.stage_time_floors_at(terms, inflight, layers)
+        f = np.full((len(_divisors(batch)), len(layers)), math.inf)
+        f[used] = np.minimum.reduceat(times, starts, axis=0)
+        f = np.minimum.accumulate(f[:, ::-1], axis=1)[:, ::-1]   # non-decreasing in l: still a lower bound
     ev._floors[key] = f
     return f

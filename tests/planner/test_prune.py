@@ -4,13 +4,16 @@ result, alternative or plan."""
 import itertools
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from eth.cost import CostModel
+from eth.cost_floors import _recompute_hull
+from eth.planner import bounds
 from eth.model import LAYER_OPS
-from eth.planner.bounds import split_floor, stage_group_floor
+from eth.planner.bounds import split_floor, split_floors, stage_group_floor, sum_floors
 from eth.planner.enumerate import make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator, PipeState, StageState
 from eth.planner.options import SearchOptions
@@ -35,16 +38,29 @@ def _compositions(total, parts):
         yield [y - x for x, y in zip(b, b[1:])]
 
 
-@pytest.mark.parametrize("memory, batch", [((80, 24, 32), 8), ((4, 3, 3), 16)])
+def _one_micro_floor(ev, stages, ranks, batch):
+    """The floor without a shared Mbs and the fill (issue 11's first floor): each stage's
+    best (B / Mbs) x T_j-floor over its own Mbs, the split floor of those."""
+    rows = np.stack([bounds._stage_floor(ev, t, n, j, len(stages), ranks, batch) for j, (t, n) in enumerate(stages)])
+    scale = np.array([batch // m for m in bounds._divisors(batch)], dtype=float)[None, :, None]
+    return split_floor(list(np.min(rows * scale, axis=1)), ev.model.num_layers)
+
+
+# batch 4 on 4 layers: Mbs 1, 2 or 4, so 1 to 4 micro-batches, and the fill term
+# (sum_j T_j) is as large as the (B / Mbs - 1) x max_j T_j term or larger
+@pytest.mark.parametrize("memory, batch", [((80, 24, 32), 8), ((4, 3, 3), 16), ((80, 24, 32), 4)])
 def test_floor_is_below_every_configuration_of_each_stage_group(memory, batch):
     cluster = _cluster(memory)
     model = M4
     ev = RunEvaluator(CostModel(model, cluster, profiles_for(model, cluster)))
     blocks = make_blocks(cluster, 8)
-    tight = []
+    tight, raised = [], 0
     for g in stage_groups(blocks.types, blocks.devices(blocks.count), model.num_layers, 4):
         ranks = stage_ranks(ev, blocks, g)
         floor = stage_group_floor(ev, g.stages, ranks, batch)
+        looser = _one_micro_floor(ev, g.stages, ranks, batch)
+        assert looser <= floor * (1 + 1e-12) or math.isinf(looser) and math.isinf(floor)
+        raised += floor > looser * (1 + 1e-9)
         best = math.inf
         tps = [ev.valid_tps(t, n, ranks[j]) for j, (t, n) in enumerate(g.stages)]
         for choice in itertools.product(*tps):
@@ -60,6 +76,7 @@ def test_floor_is_below_every_configuration_of_each_stage_group(memory, batch):
             assert floor > 0
             tight.append(floor / best)
     assert tight and max(tight) > 0.5   # not a vacuous bound
+    assert raised > 0                   # the shared Mbs and the fill raised some floors
 
 
 def test_stage_time_floors_are_below_every_recompute_set_that_fits():
@@ -88,6 +105,36 @@ def test_stage_time_floors_are_below_every_recompute_set_that_fits():
     assert fit > 50 and unfit > 50
 
 
+def test_recompute_hull_is_below_every_recompute_set_of_a_layer():
+    # random layers of 1-7 ops: for every bytes-to-free x, the hull is at most the least
+    # forward ms of the sets that free x (CostModel._layer_savings), exact at the most
+    # bytes, and at least the fractional knapsack it replaced (each op frees its act)
+    rng = random.Random(13)
+    tighter = 0
+    for _ in range(150):
+        k = rng.randint(1, 7)
+        ops = {f"op{i}": SimpleNamespace(fwd_ms=rng.uniform(0, 3), act_bytes=rng.choice([0.0, rng.uniform(0, 10)]),
+                                         input_bytes=rng.uniform(0, 6)) for i in range(k)}
+        order = tuple(ops)
+        heads, slopes, most = _recompute_hull(list(ops.values()))
+        points = [(CostModel._layer_savings(ops, set(r), order), sum(ops[o].fwd_ms for o in r))
+                  for n in range(k + 1) for r in itertools.combinations(order, n)]
+        assert math.isclose(most, max(f for f, _ in points))
+        for x in [rng.uniform(0, most) for _ in range(20)] + [f for f, _ in points]:
+            hull = max(h + s * x for h, s in zip(heads, slopes))
+            least = min(t for f, t in points if f >= x)
+            assert hull <= least * (1 + 1e-12) + 1e-12, (x, hull, least)
+            frac, left = 0.0, x
+            for ratio, act in sorted((o.fwd_ms / o.act_bytes, o.act_bytes) for o in ops.values() if o.act_bytes > 0):
+                frac += ratio * min(act, max(left, 0.0))
+                left -= act
+            assert hull >= frac * (1 - 1e-12) - 1e-12
+            tighter += hull > frac * (1 + 1e-6)
+        top = max(h + s * most for h, s in zip(heads, slopes))
+        assert math.isclose(top, min(t for f, t in points if f >= most * (1 - 1e-12)), rel_tol=1e-9, abs_tol=1e-12)
+    assert tighter > 100
+
+
 def test_split_floor_matches_brute_force_over_splits():
     rng = random.Random(5)
     for _ in range(200):
@@ -98,6 +145,33 @@ def test_split_floor_matches_brute_force_over_splits():
                                   else rng.uniform(0, 10) for _ in range(total)])) for _ in range(S)]
         brute = min(max(row[n - 1] for row, n in zip(rows, split)) for split in _compositions(total, S))
         assert split_floor(rows, total) == brute
+
+
+def test_sum_floors_are_below_every_split_and_exact_on_convex_rows():
+    rng = random.Random(11)
+    exact = 0
+    for _ in range(300):
+        S, total, k = rng.randint(1, 4), rng.randint(4, 9), rng.randint(1, 3)
+        if S > total:
+            continue
+        convex = rng.random() < 0.5
+        rows = np.empty((S, k, total))
+        for j, c in itertools.product(range(S), range(k)):
+            steps = sorted(rng.uniform(0, 5) for _ in range(total)) if convex else \
+                [rng.uniform(0, 5) for _ in range(total)]
+            rows[j, c] = np.cumsum(steps)
+            if rng.random() < 0.15:     # nothing fits from some layer count on
+                rows[j, c, rng.randrange(total):] = math.inf
+        got, maxes = sum_floors(rows, total), split_floors(rows, total)
+        for c in range(k):
+            splits = list(_compositions(total, S))
+            brute = min(sum(rows[j, c, n - 1] for j, n in enumerate(split)) for split in splits)
+            assert got[c] <= brute * (1 + 1e-12) or math.isinf(brute) and math.isinf(got[c])
+            assert maxes[c] == min(max(rows[j, c, n - 1] for j, n in enumerate(split)) for split in splits)
+            if convex and not np.isinf(rows[:, c]).any():
+                assert math.isclose(got[c], brute)
+                exact += 1
+    assert exact > 50
 
 
 def _same(a, b):
