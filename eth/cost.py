@@ -315,7 +315,13 @@ class CostModel(StageFloors):
         fwd += send_f
         bwd += send_b
         comm += send_f + send_b
-        transient = backward + self._remat_bytes(ops, recompute, nl)
+        remat = 0.0
+        if recompute:   # reads the layer ops (by device type, micro, tp) only, not the links
+            mkey = ("remat", device_type, micro, tp, nl, tuple(recompute.items()))
+            remat = self._cache.get(mkey)
+            if remat is None:
+                remat = self._cache[mkey] = self._remat_bytes(ops, recompute, nl)
+        transient = backward + remat
         return fwd, bwd, recompute_ms, comm, weights / dtype_bytes, act, reserved, send_f, send_b, transient
 
     def _shape_parts(self, device_type: str, tp: int, micro: int, first: bool, last: bool,
