@@ -82,7 +82,8 @@ def main(argv=None) -> int:
             label = case + ("" if prune else " off")
             print(f"{label:15s} iter {plan.predicted['iteration_ms']:.4f} ms  evaluations "
                   f"{plan.search.get('cost_evaluations')}  plan {digest(plan)}  cpu {cpu[prune]:.2f} s  "
-                  f"wall {time.perf_counter() - w:.2f} s", flush=True)
+                  f"wall {time.perf_counter() - w:.2f} s  (polish {plan.search['phase_s'].get('polish', 0):.2f} s)",
+                  flush=True)
         if both:
             print(f"{case:15s} cpu prune off / on {cpu[False] / cpu[True]:.2f}x", flush=True)
     return 0

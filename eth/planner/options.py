@@ -96,8 +96,11 @@ class SearchOptions:
     prune: bool = True
     """Phase 1 balances a pipeline's stage groups in ascending order of a lower bound of
     their Eq. 1 time and skips those whose bound exceeds the best time found (the
-    alternatives the polish reads are completed when read): the same plans, fewer
-    evaluations (:func:`eth.planner.pipeline.optimise_pipeline`)."""
+    alternatives the polish reads are completed when read); and the polish allocates a
+    move only if a lower bound of its group's time (:func:`eth.planner.polish.allocation_floor`,
+    no All-Reduce) is below the best so far, or it may rank among the few that are also
+    scored with free Mbs: the same plans, fewer evaluations and allocations
+    (:func:`eth.planner.pipeline.optimise_pipeline`, :class:`eth.planner.polish._Scan`)."""
     allow_overshoot: bool = False
     """Accept sum(Lbs) > Gbs (paper constraint Eq. 3) when no exact split exists; by
     default only exact splits are emitted because the runtime requires equality."""

@@ -20,6 +20,10 @@ allocation (Eq. 2-5) and :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6):
   device groups for its own Lbs (phase 1 with B = Lbs) and the best configuration of
   each of its other stage groups is tried in the group context; finally the best
   group's recompute is cut to the least that fits (:func:`lighter_recompute`).
+  With ``prune`` a move is allocated only where a lower bound of the group's time
+  (:func:`allocation_floor`: the pipelines' Eq. 5 lines without All-Reduce, relaxed
+  allocation) is below the best so far or the move may rank among those also scored with
+  free Mbs (:class:`_Scan`): the same steps, fewer allocations.
 """
 from __future__ import annotations
 
@@ -195,6 +199,97 @@ FREE_MBS_CHOICES = 3
 scored with the free-Mbs exact allocation."""
 
 
+def allocation_floor(search, trial) -> float:
+    """A lower bound of ``search._allocate(trial)``'s iteration time (Eq. 5 + Eq. 6 of the
+    allocated plan; inf where it fails): each pipeline's end-time line A_i + B_i x_i in its
+    micro-batch count x_i (Eq. 5, :func:`eth.planner.allocate.pipeline_line`) on the stage
+    costs of the ranks the plan gives it, without its All-Reduce (AR >= 0, as are the
+    optimizer and step terms that :meth:`eth.cost.CostModel.evaluate` adds), minimised
+    over real x_i >= 1 with sum_i Mbs_i x_i = Gbs (the allocation's are whole and sum to
+    Gbs): max(max_i (A_i + B_i), T) with T solving sum_i Mbs_i (T - A_i) / B_i = Gbs.
+    The lines are memoised per pipeline (its ranks, state and recompute): no plan, no
+    All-Reduce, no allocation."""
+    layout = _layout(search, trial)
+    memo = search.floor_lines
+    lines = []
+    for r, ranks in zip(trial, layout):
+        key = (ranks, r.state, r.evaluation.recompute)
+        line = memo.get(key)
+        if line is None:
+            line = memo[key] = _floor_line(search.cost, r, ranks)
+        lines.append(line)
+    if any(b <= 0 for _, b, _ in lines):
+        return 0.0
+    least = max(a + b for a, b, _ in lines)
+    even = (search.opt.gbs + sum(m * a / b for a, b, m in lines)) / sum(m / b for a, b, m in lines)
+    return max(least, even)
+
+
+def _layout(search, trial) -> tuple:
+    """The ranks of every stage of every pipeline that ``search.build_plan(trial)`` uses
+    (:meth:`eth.planner.search.HPPSearch._ranks`), as tuples."""
+    key = tuple(r.group.stages for r in trial)
+    hit = search._layouts.get(key)
+    if hit is None:
+        ranks = search._ranks(trial)       # memoised there with ``memo``
+        hit = search._layouts.get(key) or tuple(tuple(tuple(s) for s in p) for p in ranks)
+    return hit
+
+
+def _floor_line(cost, r: PipelineResult, ranks) -> tuple[float, float, int]:
+    """(A, B, Mbs) of ``r`` on ``ranks`` without All-Reduce: the stage costs that
+    :meth:`eth.cost.CostModel.pipeline_costs` gives the planned pipeline (its times do not
+    depend on the in-flight micro-batches)."""
+    stages, mbs = r.state.stages, r.state.mbs
+    n = len(stages)
+    costs = [cost.stage_cost(st.device_type, st.tp, st.dp, rng, mbs, dict(rec), j, n, 1, ranks[j],
+                             ranks[j + 1] if j + 1 < n else None, ranks[j - 1] if j > 0 else None)
+             for j, (st, rng, rec) in enumerate(zip(stages, r.state.layer_ranges(), r.evaluation.recompute))]
+    return pipeline_line(costs, mbs, None) + (mbs,)
+
+
+class _Scan:
+    """Trials (the group's pipeline results after one move each) scored by the group's
+    allocation in turn, as a steepest-descent step: :attr:`best` is the first trial
+    whose allocated time is the least below ``cand``'s (None if none) and :meth:`top` the
+    ``keep`` least (failed allocations last, ties in trial order).  A trial whose
+    :func:`allocation_floor` is not below the best time so far cannot change
+    :attr:`best` and is only allocated if :meth:`top` needs it (floors in ascending
+    order while one does not exceed the ``keep``-th least time known): the same best and
+    top as allocating every trial."""
+
+    def __init__(self, search, cand: Candidate, out):
+        self.search, self.cand, self.out = search, cand, out
+        self.best: Candidate | None = None
+        self.scored, self.skipped, self.count = [], [], 0
+
+    def add(self, trial) -> None:
+        k, self.count = self.count, self.count + 1
+        if self.search.opt.prune:
+            floor = allocation_floor(self.search, trial)
+            if floor >= (self.best or self.cand).iteration_ms * (1 - 1e-9):
+                self.skipped.append((floor, k, trial))
+                return
+        self._score(k, trial)
+
+    def _score(self, k: int, trial) -> None:
+        got = self.search._allocate(trial)
+        self.scored.append((got[1] if got is not None else math.inf, k, trial))
+        if got is not None and got[1] < (self.best or self.cand).iteration_ms * (1 - 1e-9):
+            self.best = Candidate(got[0], got[1], trial)
+
+    def top(self, keep: int) -> list:
+        self.skipped.sort(key=lambda x: (x[0], x[1]))
+        while self.skipped and not self.out():
+            known = sorted(x[0] for x in self.scored if x[0] < math.inf)
+            if len(known) >= keep and self.skipped[0][0] > known[keep - 1]:
+                break
+            _, k, trial = self.skipped.pop(0)
+            self._score(k, trial)
+        self.scored.sort(key=lambda x: (x[0], x[1]))
+        return [trial for _, _, trial in self.scored[:keep]]
+
+
 def _replan(search, cand: Candidate, out) -> Candidate:
     """Each pipeline in turn: its phase 1 for its own Lbs and the balanced configurations of
     its other stage groups, each tried in the group context.  Every choice gets the group's
@@ -209,18 +304,16 @@ def _replan(search, cand: Candidate, out) -> Candidate:
         if r is None or not r.feasible:
             continue
         choices = [r, *r.alternatives, *cand.results[i].alternatives]
-        best, scored = None, []
-        for k, choice in enumerate(choices):
+        scan = _Scan(search, cand, out)
+        for choice in choices:
             if out():
                 break
             trial = list(cand.results)
             trial[i] = choice
-            got = search._allocate(trial)
-            scored.append((got[1] if got is not None else math.inf, k, trial))
-            if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
-                best = Candidate(got[0], got[1], trial)
-        scored.sort(key=lambda x: (x[0], x[1]))
-        for _, _, trial in scored[:FREE_MBS_CHOICES]:   # their joint tp moves too
+            scan.add(trial)
+        top = scan.top(FREE_MBS_CHOICES)
+        best = scan.best
+        for trial in top:   # their joint tp moves too
             if out():
                 break
             for state in joint_moves(search.ev, trial[i].state, p.lbs, trial[i].ranks):
@@ -229,7 +322,7 @@ def _replan(search, cand: Candidate, out) -> Candidate:
                     moved = list(trial)
                     moved[i] = PipelineResult(trial[i].vec, p.lbs, trial[i].group, state, e, trial[i].ranks)
                     best = better_trial(search, moved, best, cand)
-        for _, _, trial in scored[:FREE_MBS_CHOICES]:
+        for trial in top:
             if out():
                 break
             alt = variant_allocation(search, trial)
@@ -241,9 +334,13 @@ def _replan(search, cand: Candidate, out) -> Candidate:
 
 def better_trial(search, trial, best: Candidate | None, cand: Candidate) -> Candidate | None:
     """``trial`` (the group's pipeline results) allocated, if that beats ``best`` (or
-    ``cand`` while there is no best yet); else ``best``: one step of a steepest descent."""
+    ``cand`` while there is no best yet); else ``best``: one step of a steepest descent.
+    A trial whose :func:`allocation_floor` is not below that time is not allocated."""
+    bar = (best or cand).iteration_ms * (1 - 1e-9)
+    if search.opt.prune and allocation_floor(search, trial) >= bar:
+        return best
     got = search._allocate(trial)
-    if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
+    if got is not None and got[1] < bar:
         return Candidate(got[0], got[1], trial)
     return best
 
@@ -275,18 +372,15 @@ def _descend(search, cand: Candidate, budget: int, out) -> Candidate:
     Mbs / 2 and another's Mbs / 2, so that the Lbs split gets finer)."""
     spent = 0
     while spent < budget and not out():
-        best, scored = None, []
+        scan = _Scan(search, cand, out)
         for trial in _trials(search, cand):
             if spent >= budget or out():
                 break
             spent += 1
-            got = search._allocate(trial)
-            scored.append((got[1] if got is not None else math.inf, len(scored), trial))
-            if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
-                best = Candidate(got[0], got[1], trial)
+            scan.add(trial)
+        best = scan.best
         if best is None:
-            scored.sort(key=lambda x: (x[0], x[1]))
-            for _, _, trial in scored[:FREE_MBS_CHOICES]:
+            for trial in scan.top(FREE_MBS_CHOICES):
                 if out():
                     break
                 alt = variant_allocation(search, trial)

@@ -101,6 +101,7 @@ class HPPSearch:
         self._ar: dict = {}
         self._allocs: dict = {}     # memo of _allocate_group (with ``memo``)
         self.variants: dict = {}    # memo of polish.variant_allocation (with ``memo``)
+        self.floor_lines: dict = {}  # memo of polish.allocation_floor's pipeline lines
         self.blocks = make_blocks(cluster, options.max_blocks_per_type)
         self.facts = {t: (d.tflops, d.memory_gb) for t, d in cluster.types.items()}
         self.stats = SearchStats()
