@@ -16,9 +16,9 @@ allocation (Eq. 2-5) and :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6):
   pipeline's stage order reversed), each scored by the whole group's re-allocated Eq. 2,
   because the block-wise All-Reduce (Eq. 6) of a layer depends on the dp degrees and
   links of *every* pipeline's stage holding it -- where no move improves, the best few
-  are also scored with free Mbs; then each pipeline is re-planned over all its stage
-  device groups for its own Lbs (phase 1 with B = Lbs) and the best configuration of
-  each of its other stage groups is tried in the group context; finally the best
+  are also scored with free Mbs; then each pipeline's best stage device groups of phase 1
+  (its result and alternatives at Gbs) are re-balanced for its own Lbs (phase 3) and
+  tried in the group context; finally the best
   group's recompute is cut to the least that fits (:func:`lighter_recompute`).
   With ``prune`` a move is allocated only where a lower bound of the group's time
   (:func:`allocation_floor`: the pipelines' Eq. 5 lines without All-Reduce, relaxed
@@ -291,8 +291,13 @@ class _Scan:
 
 
 def _replan(search, cand: Candidate, out) -> Candidate:
-    """Each pipeline in turn: its phase 1 for its own Lbs and the balanced configurations of
-    its other stage groups, each tried in the group context.  Every choice gets the group's
+    """Each pipeline in turn: its phase-1 result and alternatives (the best
+    1 + :data:`eth.planner.pipeline.MAX_ALTERNATIVES` stage groups at Gbs, cached) re-balanced for its own Lbs
+    (phase 3, :meth:`eth.planner.search.HPPSearch.phase3`), best first, then the
+    alternatives of its current result, each tried in the group context.  (A fresh phase 1
+    at B = Lbs over all its stage groups found the same plans on the seeded suite of
+    tests/planner/test_search_core.py, Table 2, the sweeps and GPT-3 13B / 175B, for about
+    a fifth more cost evaluations of the whole search.)  Every choice gets the group's
     allocation at the pipelines' Mbs; the :data:`FREE_MBS_CHOICES` best of them (failed
     allocations last) also the free-Mbs exact allocation (:func:`variant_allocation`:
     every pipeline's Mbs among halvings/doublings of its own), because a changed pipeline
@@ -300,10 +305,13 @@ def _replan(search, cand: Candidate, out) -> Candidate:
     for i, p in enumerate(list(cand.plan.pipelines)):
         if out():
             return cand
-        r = search.phase1(cand.results[i].vec, batch=p.lbs)
+        r = search.phase1(cand.results[i].vec)
         if r is None or not r.feasible:
             continue
-        choices = [r, *r.alternatives, *cand.results[i].alternatives]
+        # a state whose Mbs exceeds Lbs stays as it was (evaluated at Gbs): ranked last
+        replanned = sorted((x for x in (search.phase3(y, p.lbs) for y in (r, *r.alternatives)) if x.feasible),
+                           key=lambda x: (x.batch != p.lbs, x.evaluation.key))
+        choices = [*replanned, *cand.results[i].alternatives]
         scan = _Scan(search, cand, out)
         for choice in choices:
             if out():
