@@ -122,24 +122,41 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
     sum_j g_j(l_j) at least :func:`sum_floors`, so Eq. 1 is at least
     (nmb - 1) x split floor + sum floor; the bound is its minimum over Mbs.  inf when no
     Mbs admits a valid tp for every stage (or nothing fits)."""
+    return stage_group_floors(ev, [(stages, ranks)], batch)[0]
+
+
+def stage_group_floors(ev, groups, batch: int) -> list[float]:
+    """:func:`stage_group_floor` of each (stages, ranks) of ``groups``: the groups with the
+    same stage count are combined in one (groups, stages, Mbs, layers) array, so that phase
+    1's floors of a pipeline's stage groups take a few numpy calls per stage count instead
+    of a dozen per group (the values are the same: every Mbs column is reduced alone)."""
     L = ev.model.num_layers
-    S = len(stages)
-    rows = []
-    for j, (t, n) in enumerate(stages):
-        row = _stage_floor(ev, t, n, j, S, ranks, batch)
-        if row is None:
-            return math.inf
-        rows.append(row)
-    rows = np.stack(rows)                         # (stage, Mbs, layers)
+    out = [math.inf] * len(groups)
+    by_count: dict = {}
+    for i, (stages, ranks) in enumerate(groups):
+        S = len(stages)
+        rows = []
+        for j, (t, n) in enumerate(stages):
+            row = _stage_floor(ev, t, n, j, S, ranks, batch)
+            if row is None:      # no tp's dp divides the batch: inf
+                break
+            rows.append(row)
+        else:
+            by_count.setdefault(S, []).append((i, rows))
     fill = np.array([batch // m - 1 for m in _divisors(batch)], dtype=float)
-    some = np.isfinite(rows[:, :, 0]).all(axis=0)   # the Mbs where one layer fits on every stage
-    if not some.all():
-        if not some.any():
-            return math.inf
-        rows, fill = rows[:, some], fill[some]
-    with np.errstate(invalid="ignore"):           # 0 x inf: an Mbs of one micro-batch that does not fit
-        total = np.where(fill > 0, fill * split_floors(rows, L), 0.0) + sum_floors(rows, L)
-    return float(np.min(total))
+    for entries in by_count.values():
+        rows = np.array([r for _, r in entries])          # (group, stage, Mbs, layers)
+        G, S, M, W = rows.shape
+        flat = np.moveaxis(rows, 1, 2).reshape(G * M, S, W)   # one row per (group, Mbs)
+        flat = np.moveaxis(flat, 0, 1)                         # (stage, group x Mbs, layers)
+        fills = np.tile(fill, G)
+        # an Mbs where one layer does not fit on some stage is inf in both floors (rows
+        # are non-decreasing); 0 x inf of one micro-batch is dropped by the where
+        with np.errstate(invalid="ignore"):
+            total = (np.where(fills > 0, fills * split_floors(flat, L), 0.0) + sum_floors(flat, L)).reshape(G, M)
+        for (i, _), best in zip(entries, total.min(axis=1)):
+            out[i] = float(best)
+    return out
 
 
 def split_floor(rows, total: int) -> float:

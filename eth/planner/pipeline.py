@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from eth.planner.balance import balance, initial_state
-from eth.planner.bounds import stage_group_floor
+from eth.planner.bounds import stage_group_floors
 from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState
 
@@ -185,10 +185,9 @@ class _Groups:
 
     def __init__(self, ev, blocks, vec, batch, groups, budgets, halted, stop, phases):
         self.ev, self.vec, self.batch, self.halted, self.stop, self.phases = ev, vec, batch, halted, stop, phases
-        self.todo = []
-        for i, (g, budget) in enumerate(zip(groups, budgets)):
-            ranks = stage_ranks(ev, blocks, g)
-            self.todo.append((stage_group_floor(ev, g.stages, ranks, batch), i, g, ranks, budget))
+        ranks = [stage_ranks(ev, blocks, g) for g in groups]
+        floors = stage_group_floors(ev, [(g.stages, r) for g, r in zip(groups, ranks)], batch)
+        self.todo = [(f, i, g, r, budget) for i, (f, g, r, budget) in enumerate(zip(floors, groups, ranks, budgets))]
         self.todo.sort(key=lambda x: (x[0], x[1]))
         self.todo.reverse()          # popped from the end: lowest floor first
         self.done = []               # (balanced key, warm-start key, group index, result)

@@ -46,6 +46,25 @@ def _one_micro_floor(ev, stages, ranks, batch):
     return split_floor(list(np.min(rows * scale, axis=1)), ev.model.num_layers)
 
 
+def test_floors_of_many_groups_at_once_equal_each_alone():
+    """bounds.stage_group_floors (phase 1: every stage group of a pipeline in one array per
+    stage count) gives each group bit for bit what it gives the group alone, for groups
+    of several stage counts, some with an inf floor (nothing fits, or no tp's dp divides
+    the batch)."""
+    counts, kinds = set(), set()
+    for memory, batch in (((80, 24, 32), 8), ((4, 3, 3), 16), ((80, 24, 32), 6), ((80, 0.001, 32), 8)):
+        cluster = _cluster(memory)
+        ev = RunEvaluator(CostModel(M4, cluster, profiles_for(M4, cluster)))
+        blocks = make_blocks(cluster, 8)
+        groups = [(g.stages, stage_ranks(ev, blocks, g))
+                  for g in stage_groups(blocks.types, blocks.devices(blocks.count), M4.num_layers, 4)]
+        alone = [bounds.stage_group_floors(ev, [g], batch)[0] for g in groups]
+        counts |= {len(s) for s, _ in groups}
+        kinds |= {math.isinf(f) for f in alone}
+        assert bounds.stage_group_floors(ev, groups, batch) == alone
+    assert len(counts) > 1 and kinds == {True, False}
+
+
 # batch 4 on 4 layers: Mbs 1, 2 or 4, so 1 to 4 micro-batches, and the fill term
 # (sum_j T_j) is as large as the (B / Mbs - 1) x max_j T_j term or larger
 @pytest.mark.parametrize("memory, batch", [((80, 24, 32), 8), ((4, 3, 3), 16), ((80, 24, 32), 4)])
