@@ -296,8 +296,10 @@ def _replan(search, cand: Candidate, out) -> Candidate:
     (phase 3, :meth:`eth.planner.search.HPPSearch.phase3`), best first, then the
     alternatives of its current result, each tried in the group context.  (A fresh phase 1
     at B = Lbs over all its stage groups found the same plans on the seeded suite of
-    tests/planner/test_search_core.py, Table 2, the sweeps and GPT-3 13B / 175B, for about
-    a fifth more cost evaluations of the whole search.)  Every choice gets the group's
+    tests/planner/test_search_core.py, the sweeps, the sensitivity variants, GPT-3 13B /
+    175B and 27 of the 28 Table 2 rows of bench/paper_eval.py -- LLaMA-2 70B on B3/B4 it
+    found 16620.6 ms, this re-plan 16630.2 ms, hexiscale-strong's plan -- for about a fifth
+    more cost evaluations of the whole search.)  Every choice gets the group's
     allocation at the pipelines' Mbs; the :data:`FREE_MBS_CHOICES` best of them (failed
     allocations last) also the free-Mbs exact allocation (:func:`variant_allocation`:
     every pipeline's Mbs among halvings/doublings of its own), because a changed pipeline
