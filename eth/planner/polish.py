@@ -27,6 +27,7 @@ allocation (Eq. 2-5) and :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6):
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -280,12 +281,14 @@ class _Scan:
 
     def top(self, keep: int) -> list:
         self.skipped.sort(key=lambda x: (x[0], x[1]))
+        known = sorted(x[0] for x in self.scored if x[0] < math.inf)   # allocated times so far
         while self.skipped and not self.out():
-            known = sorted(x[0] for x in self.scored if x[0] < math.inf)
             if len(known) >= keep and self.skipped[0][0] > known[keep - 1]:
                 break
             _, k, trial = self.skipped.pop(0)
             self._score(k, trial)
+            if self.scored[-1][0] < math.inf:
+                bisect.insort(known, self.scored[-1][0])
         self.scored.sort(key=lambda x: (x[0], x[1]))
         return [trial for _, _, trial in self.scored[:keep]]
 
