@@ -102,4 +102,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.hpp.rank_exit import exit_rank
+
+    exit_rank(main())   # no interpreter exit to race gloo's threads (rank_exit.py)

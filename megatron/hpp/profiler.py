@@ -567,3 +567,6 @@ def _real_tp_worker(rank: int, cfg: ProfileConfig, tp: int, tmp: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    from megatron.hpp.rank_exit import exit_rank
+
+    exit_rank(0)    # not back into multiprocessing's interpreter exit (rank_exit.py says why)

@@ -494,8 +494,9 @@ def run(cfg: TrainConfig) -> int:
         code = 1
     except CommFailure as exc:
         _error(f"rank {rank}: {exc}")
-        sys.stdout.flush()
-        os._exit(1)     # no teardown, no finally
+        from megatron.hpp.rank_exit import exit_rank
+
+        exit_rank(1)    # no teardown, no finally
     finally:
         import torch.distributed as dist
 

@@ -2,7 +2,6 @@
 digest of every sample of the first global batches."""
 import hashlib
 import json
-import os
 import sys
 
 import torch.distributed as dist
@@ -11,6 +10,7 @@ import torch.distributed as dist
 def main() -> int:
     from eth.errors import SpecError
     from megatron.hpp.datasets import DataConfig, build_sources, shipped_corpus
+    from megatron.hpp.rank_exit import exit_rank
 
     dist.init_process_group("gloo")
     try:
@@ -18,12 +18,9 @@ def main() -> int:
                             train_iters=4, progress=True)
     except SpecError as exc:
         print(f"error: rank {dist.get_rank()}: {exc}", file=sys.stderr, flush=True)
-        # end without tearing gloo down: the peer may exit first, and its closed socket
-        # can abort this process inside destroy_process_group or the interpreter's exit
-        # ("terminate called without an active exception", rc -6 instead of 2; seen in a
-        # CI run even with the teardown), as megatron.hpp.training does after a failure
-        sys.stdout.flush()
-        os._exit(2)
+        # end without tearing gloo down (the peer may have left), as megatron.hpp.training
+        # does after a failure: rc -6 after the right line was seen in a CI run
+        exit_rank(2)
     digest = hashlib.sha256()
     for t in range(4):
         for i in range(8):
@@ -35,4 +32,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.hpp.rank_exit import exit_rank
+
+    exit_rank(main())

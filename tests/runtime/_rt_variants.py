@@ -77,4 +77,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.hpp.rank_exit import exit_rank
+
+    exit_rank(main())

@@ -26,9 +26,7 @@ Run as a script it is the rank program of that launch (``python test_llama.py OU
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -342,4 +340,6 @@ def test_heterogeneous_plans_equal_single_process(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(Path(sys.argv[1]), sys.argv[2:]))
+    from megatron.hpp.rank_exit import exit_rank
+
+    exit_rank(_rank_main(Path(sys.argv[1]), sys.argv[2:]))

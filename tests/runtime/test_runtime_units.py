@@ -256,3 +256,22 @@ def test_gradient_norm_is_fp64_accurate_on_large_buffers():
     # one fp32 norm over the large buffer is measurably off: the rows are what makes it exact
     one = float(torch.linalg.vector_norm(grads[0], dtype=torch.float32).double() ** 2)
     assert abs(one / float(grads[0].double().square().sum()) - 1) > 1e-5
+
+
+def test_exit_rank_keeps_buffered_output_and_the_code():
+    """rank_exit.exit_rank ends the process without interpreter exit, yet what stdout and
+    stderr still buffer (block-buffered pipes: PYTHONUNBUFFERED unset) reaches the pipe, and
+    the code is the exit status."""
+    import os
+    import subprocess
+    import sys
+
+    from _rt_spawn import REPO
+
+    code = ("import sys; from megatron.hpp.rank_exit import exit_rank; "
+            "print('out-no-newline', end=''); sys.stderr.write('err-no-newline'); exit_rank(3)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 3, run.stderr
+    assert run.stdout == "out-no-newline" and run.stderr == "err-no-newline"
