@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-blocks-per-type", type=int, default=8)
     p.add_argument("--max-stages", type=int, default=16)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--jobs", type=int, default=usable_cpus(),
+                   help="processes the search may use at once (default: the CPUs this process may "
+                        "run on); the plan is the same for any value")
     t = p.add_argument_group("training setup (memory and Eq. 6; recorded in the plan, used by the runtime)")
     t.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
                    help="weights and activations (the optimizer keeps fp32 main weights)")
@@ -78,7 +81,7 @@ def _main(argv=None) -> int:
                             alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
                             max_blocks_per_type=args.max_blocks_per_type,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
-                            progress=not args.no_progress,
+                            progress=not args.no_progress, jobs=args.jobs,
                             setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
     plan = search(model, cluster, db, options)
     # where each device type's op costs came from (the plan hash does not cover profiles)
@@ -107,3 +110,13 @@ def main(argv=None) -> int:
     """The CLI; bad input or an infeasible problem: ``error: ...`` on stderr, exit 2."""
     from eth.cli import run_main
     return run_main(_main, argv)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -190,7 +190,10 @@ def format_search_line(plan) -> str:
         counted = c.get("counted_pipelines")
         scope = (f" (pipeline counts 1..{counted} of {c.get('max_pipelines')})"
                  if counted and counted != c.get("max_pipelines") else "")
-        lines.append(f"search [{search.get('strategy', 'hpp')}] {search.get('time_s', 0):.2f}s: "
+        strategy = search.get("strategy", "hpp")
+        jobs = (search.get("options") or {}).get("jobs", 1) if strategy == "hpp" else 1
+        lines.append(f"search [{strategy}] {search.get('time_s', 0):.2f}s"
+                     + (f" (jobs {jobs})" if jobs > 1 else "") + ": "
                      f"{c.get('groups_total', 0)} device groups{scope}, {c.get('evaluated', 0)} evaluated, "
                      f"{c.get('skipped', 0)} skipped, {c.get('by_dp', 0)} from DP, "
                      f"{search.get('cache_hits', 0)} cache hits"

@@ -106,6 +106,12 @@ class SearchOptions:
     default only exact splits are emitted because the runtime requires equality."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
+    jobs: int = 1
+    """Processes the search may use at once, this one included.  With more than one (and
+    the fork start method: Linux, macOS) the seed planners run in a forked process during
+    the group enumeration, and the symmetric phase and the polish of the best groups are
+    spread over ``jobs`` processes (:mod:`eth.planner.workers`).  The plan is the same for
+    every value; only the wall time and the search statistics differ."""
     setup: TrainSetup = TrainSetup()
     """Precision, ZeRO stage and gradient dtype to plan for (memory, Eq. 6); recorded in
     the plan (``plan.training``) and used by the runtime."""
@@ -122,7 +128,7 @@ class SearchOptions:
         if self.stage_groups_topk < 0 or self.polish_top < 0:
             raise SpecError(f"stage_groups_topk and polish_top must be >= 0, got "
                             f"{self.stage_groups_topk}, {self.polish_top}")
-        for name in ("max_blocks_per_type", "max_stages", "balance_budget", "dp_window"):
+        for name in ("max_blocks_per_type", "max_stages", "balance_budget", "dp_window", "jobs"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
 

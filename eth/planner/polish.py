@@ -540,10 +540,11 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
     group at least :data:`SECOND_ROUND_GAIN` faster.  The descent comes first: a re-plan
     that is better at once can lead away from a group the moves reach (on the seeded suite
     of tests/planner/test_search_core.py the other order left 3 of 154 cases 3-8% above
-    the optimum).  A group no slower than the search's best so far then gets the least
-    recompute that fits (:func:`lighter_recompute`; its plan only, the last step).
-    Every step first checks the search's time limit; once it is reached the best
-    candidate so far is returned."""
+    the optimum).  The search then gives the group the least recompute that fits if it is
+    no slower than its best so far (:func:`lightest`).  Every step first checks the
+    search's time limit; once it is reached the best candidate so far is returned.  Reads
+    nothing the search changes as it goes but its caches, so the polishes of several groups
+    may run in separate processes (:mod:`eth.planner.workers`)."""
     out = search._out_of_time
     for _ in range(POLISH_ROUNDS):
         start = cand.iteration_ms
@@ -556,6 +557,14 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
             cand = final
         if cand.iteration_ms >= start * (1 - SECOND_ROUND_GAIN):
             break
-    if not out() and (search.best is None or cand.iteration_ms <= search.best.iteration_ms * (1 + 1e-9)):
+    return cand
+
+
+def lightest(search, cand: Candidate) -> Candidate:
+    """The polish's last step, taken in the order the groups are polished: a group no
+    slower than the search's best so far gets the least recompute that fits
+    (:func:`lighter_recompute`; its plan only)."""
+    if not search._out_of_time() and (search.best is None or
+                                      cand.iteration_ms <= search.best.iteration_ms * (1 + 1e-9)):
         cand = lighter_recompute(search, cand)
     return cand

@@ -54,10 +54,11 @@ from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_gr
 from eth.planner.evaluate import Evaluator
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
-from eth.planner.polish import Candidate, finer_microbatches, polish, variant_allocation
+from eth.planner.polish import Candidate, finer_microbatches, lightest, polish, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
 from eth.planner.recompute_runs import RunEvaluator
-from eth.planner.symmetric import symmetric_phase
+from eth.planner.symmetric import adopt, symmetric_phase
+from eth.planner.workers import Forked, can_fork, parallel_map
 from eth.profiles import ProfileDB
 
 
@@ -370,17 +371,7 @@ class HPPSearch:
                 self.stats.groups_not_visited += n - visited
                 if dp_now:
                     break
-            symmetric = {}
-            if opt.symmetric and not self._out_of_time():
-                with self.phases("symmetric", sticky=True):
-                    symmetric = symmetric_phase(self)
-            for cand in list(self._top):
-                if self._out_of_time():
-                    break
-                with self.phases("polish", sticky=True):
-                    better = polish(self, cand, self.opt.polish_budget)
-                if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
-                    self.best = better
+            symmetric = self._finish()
         finally:
             bar.close()
             root.__exit__()
@@ -412,6 +403,40 @@ class HPPSearch:
         if opt.symmetric:
             plan.search["symmetric"] = symmetric
         return plan.validate()
+
+    def _finish(self) -> dict:
+        """The symmetric phase, then the polish of the best groups (``polish_top``), each
+        adopted in that order where it is faster.  They read nothing the others change
+        but the caches and (the symmetric phase, the polish's last step) the best so far,
+        so with ``jobs`` > 1 they run spread over forked processes
+        (:func:`eth.planner.workers.parallel_map`) and are adopted here in the same order:
+        the same plan.  Returns the symmetric record for ``plan.search``."""
+        work = ([None] if self.opt.symmetric and not self._out_of_time() else []) + list(self._top)
+        evaluations = self.ev.evaluations
+
+        def run(item):
+            if self._out_of_time():
+                return Finished(item, 0)
+            before = self.ev.evaluations
+            if item is None:
+                with self.phases("symmetric", sticky=True):
+                    got = symmetric_phase(self)
+            else:
+                with self.phases("polish", sticky=True):
+                    got = polish(self, item, self.opt.polish_budget)
+            return Finished(got, self.ev.evaluations - before)
+
+        done = parallel_map(run, work, self.opt.jobs, portable=Finished.portable)
+        self.ev.evaluations = evaluations + sum(d.evaluations for d in done)
+        symmetric = {}
+        for item, d in zip(work, done):
+            if item is None:
+                symmetric = adopt(self, *d.value) if d.value is not None else {}
+                continue
+            better = lightest(self, d.value)
+            if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
+                self.best = better
+        return symmetric
 
     def _mark_dp(self, p: int) -> None:
         if not self.stats.dp_triggered_at:
@@ -512,6 +537,29 @@ class HPPSearch:
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
 
 
+@dataclass
+class Finished:
+    """One piece of :meth:`HPPSearch._finish` and the cost evaluations it took."""
+
+    value: object
+    evaluations: int
+
+    @staticmethod
+    def portable(done: "Finished") -> "Finished":
+        """What a worker process sends back: its candidates' plans and times (their
+        per-pipeline results hold the worker's evaluator; what follows reads neither)."""
+        v = done.value
+        if isinstance(v, Candidate):
+            v = _plan_only(v)
+        elif isinstance(v, tuple):      # the symmetric phase: (record, [(k, candidate)])
+            v = (v[0], [(k, _plan_only(c)) for k, c in v[1]])
+        return Finished(v, done.evaluations)
+
+
+def _plan_only(cand: Candidate) -> Candidate:
+    return Candidate(cand.plan, cand.iteration_ms, [])
+
+
 def alloc_key(results, batch: bool = True) -> tuple:
     """All that an allocation of ``results`` reads: per pipeline its stage group, state,
     the ranks its evaluation was made on and (``batch``) the number of micro-batches of
@@ -533,27 +581,38 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
 
     For "hpp" with ``options.seeds``, the cheap structured planners run first (each with
     at most a sixth of the time limit), the HPP search gets the remaining time, and the
-    fastest plan by Eq. 5 is returned.
+    fastest plan by Eq. 5 is returned.  With ``options.jobs`` > 1 they run in a forked
+    process beside the HPP search instead (the same plans, less wall time).
     """
     from eth.planner.baselines import plan_baseline
     if options.strategy != "hpp":
         return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
     clock = Clock(options.time_limit)
-    seeds: dict[str, Plan] = {}
-    for name in SEED_STRATEGIES if options.seeds else ():
-        try:
-            seeds[name] = plan_baseline(name, model, cluster, profiles, options.gbs,
-                                        replace(options, time_limit=options.time_limit / 6, progress=False))
-        except InfeasibleError:
-            continue
-    seeds_s = clock.elapsed()
+
+    def seed_plans() -> tuple[dict[str, Plan], float]:
+        start, seeds = Clock(0), {}
+        for name in SEED_STRATEGIES if options.seeds else ():
+            try:
+                seeds[name] = plan_baseline(name, model, cluster, profiles, options.gbs,
+                                            replace(options, time_limit=options.time_limit / 6, progress=False))
+            except InfeasibleError:
+                continue
+        return seeds, start.elapsed()
+
+    # with jobs > 1 the seed planners run in a forked process beside the search, which
+    # then has the whole time limit; otherwise first, and the search gets what is left
+    beside = Forked(seed_plans) if options.seeds and options.jobs > 1 and can_fork() else None
+    seeds, seeds_s = seed_plans() if beside is None else ({}, 0.0)
     left = max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds else options.time_limit
     try:
-        plan, why = HPPSearch(model, cluster, profiles, replace(options, time_limit=left)).run(), ""
+        plan, error = HPPSearch(model, cluster, profiles, replace(options, time_limit=left)).run(), None
     except InfeasibleError as exc:
-        if not seeds:
-            raise
-        plan, why = None, str(exc)
+        plan, error = None, exc
+    if beside is not None:
+        seeds, seeds_s = beside.result()
+    if plan is None and not seeds:
+        raise error
+    why = str(error) if error is not None else ""
     if seeds:
         name, seed = min(seeds.items(), key=lambda kv: kv[1].predicted["iteration_ms"])
         if plan is None or seed.predicted["iteration_ms"] < plan.predicted["iteration_ms"] * (1 - 1e-9):

@@ -164,15 +164,15 @@ is not run on these groups: its moves change one pipeline of k identical ones, w
 rarely pays, and its re-plans cost much on 512-1024 devices."""
 
 
-def symmetric_phase(search) -> dict:
-    """Evaluate (and polish) the symmetric groups of ``search``; adopt the best if faster.
-
-    Returns the record for ``plan.search["symmetric"]``: the pipeline counts tried, the
-    predicted ms of each (after polish where polished; null: no feasible plan) and the
-    count whose plan became the search's best (0: none)."""
+def symmetric_phase(search) -> tuple[dict, list[tuple[int, Candidate]]]:
+    """Evaluate (and polish) the symmetric groups of ``search``: the record for
+    ``plan.search["symmetric"]`` (the pipeline counts tried, the predicted ms of each after
+    polish where polished, null: no feasible plan) and the (k, candidate) found, for
+    :func:`adopt`.  Reads nothing the search changes but its caches and its best so far
+    (so it may run in a forked process, :mod:`eth.planner.workers`)."""
     unit = make_blocks(search.cluster, search.cluster.world_size)
     found: list[tuple[int, Candidate, object]] = []
-    record = {"pipelines": [], "ms": {}, "won": 0}
+    record = {"pipelines": [], "ms": {}}
     for k, per in symmetric_counts(search):
         if search._out_of_time():
             break
@@ -199,7 +199,14 @@ def symmetric_phase(search) -> dict:
         if better.iteration_ms < cand.iteration_ms:
             found[i] = (k, better, child)
             record["ms"][str(k)] = round(better.iteration_ms, 4)
-    for k, cand, _ in found:
+    return record, [(k, cand) for k, cand, _ in found]
+
+
+def adopt(search, record: dict, found: list[tuple[int, Candidate]]) -> dict:
+    """Make a symmetric group the search's best where it is faster; ``record`` with
+    "won", the count whose plan became the best (0: none)."""
+    record = dict(record, won=0)
+    for k, cand in found:
         if search.best is None or cand.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
             search.best = cand
             record["won"] = k

@@ -233,8 +233,14 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == "error: gbs must be a positive integer, got 0\n"
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--jobs", "0",
+                     "--no-progress"]) == 2
+    assert capsys.readouterr().err == "error: jobs must be >= 1, got 0\n"
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--no-progress"]) == 0
     assert "predicted iteration" in capsys.readouterr().out
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--jobs", "2",
+                     "--no-progress"]) == 0
+    assert "s (jobs 2): " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("nodes, gbs", [(A2R2, 4), (A2R2, 16), ([{"type": "A100", "devices_per_node": 2, "count": 2},
