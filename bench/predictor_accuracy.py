@@ -18,7 +18,10 @@
    too: the host's speed drifts by tens of percent within minutes, and a profile taken
    first and runs taken later show that drift as a one-sided error.  The host drift
    (adjacent / start op times, before / after) is printed next to the raw and the
-   adjacent errors.
+   adjacent errors.  ``--runs N`` launches each configuration N times in a row
+   (between the same two adjacent profiles) and keeps the medians: the table's "run
+   spread" column, (max - min) / median over the launches, is how far the same run moves
+   from one launch to the next on this host, the floor under any error it can show.
 3. Prints and writes (``bench/results/predictor_accuracy.md`` and ``.json``, with the
    command, the commit and the load average before and after every run) predicted vs
    measured:
@@ -349,6 +352,25 @@ def run_config(plan_path: Path, world: int, out: Path, warmup: int, iters: int) 
     return json.loads(out.read_text())
 
 
+def combine_runs(runs: list[dict]) -> dict:
+    """One configuration run ``len(runs)`` times in a row: the median of each measured
+    figure over the runs (iteration, each pipeline's compute, each rank's memory), the
+    runs themselves, and their spread, (max - min) / median, of the iteration and of each
+    pipeline's compute: how much the same run moves from one launch to the next here."""
+    med = statistics.median
+
+    def spread(vals):
+        return (max(vals) - min(vals)) / med(vals)
+
+    pipes, ranks = range(len(runs[0]["compute_ms"])), range(len(runs[0]["memory_bytes"]))
+    return {"iteration_ms": med(r["iteration_ms"] for r in runs),
+            "compute_ms": [med(r["compute_ms"][p] for r in runs) for p in pipes],
+            "memory_bytes": [med(r["memory_bytes"][i] for r in runs) for i in ranks],
+            "spread": {"iteration": spread([r["iteration_ms"] for r in runs]),
+                       "compute": [spread([r["compute_ms"][p] for r in runs]) for p in pipes]},
+            "runs": runs}
+
+
 def _err(pred, meas) -> str:
     return f"{(pred / meas - 1) * 100:+.1f}%" if meas else "n/a"
 
@@ -356,7 +378,8 @@ def _err(pred, meas) -> str:
 def rows_for(name, desc, pred, meas, load, adj=None, drift=None) -> list[str]:
     """One table row: raw errors against the profile measured at the start; with ``adj``
     (the prediction from a profile measured right before the run) its errors follow in
-    brackets, and ``drift`` (host speed change, :func:`host_drift`) gets a column."""
+    brackets, and ``drift`` (host speed change, :func:`host_drift`) gets a column; so does
+    the run-to-run spread when ``meas`` combines several runs (:func:`combine_runs`)."""
     mib = 2 ** -20
 
     def adj_err(key, i=None):
@@ -371,6 +394,12 @@ def rows_for(name, desc, pred, meas, load, adj=None, drift=None) -> list[str]:
     mem = "; ".join(f"r{r} {p * mib:.2f} / {m * mib:.2f} ({_err(p, m)})"
                     for r, (p, m) in enumerate(zip(pred["memory_bytes"], meas["memory_bytes"])))
     drift_col = f" {drift[0]:.2f} / {drift[1]:.2f} |" if drift is not None else " - |"
+    sp = meas.get("spread")
+    if sp and len(meas["runs"]) > 1:
+        drift_col += (f" {sp['iteration']:.0%}; " + ", ".join(f"p{i} {c:.0%}" for i, c in enumerate(sp["compute"]))
+                      + " |")
+    else:
+        drift_col += " - |"
     return [f"| {name} | {desc} | {pred['iteration_ms']:.1f} / {meas['iteration_ms']:.1f} "
             f"({_err(pred['iteration_ms'], meas['iteration_ms'])}){adj_err('iteration_ms')} | {comp} |"
             f"{drift_col} {mem} | {load} |"]
@@ -393,6 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated configuration names")
     ap.add_argument("--warmup", type=int, default=3, help="iterations before the timed ones")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations (median kept)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="launches of each configuration, one after another (medians kept; the "
+                         "table shows their spread)")
     ap.add_argument("--out-dir", default=str(RESULTS), help="where predictor_accuracy.md/.json go")
     ap.add_argument("--no-adjacent", action="store_true",
                     help="skip the quick re-profile right before each run (the adjacent errors and drift)")
@@ -401,9 +433,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    if args.warmup < 2 or args.iters < 1:
-        print(f"error: --warmup must be >= 2 (memory is measured over the first 2 iterations) and "
-              f"--iters >= 1, got {args.warmup}, {args.iters}", file=sys.stderr)
+    if args.warmup < 2 or args.iters < 1 or args.runs < 1:
+        print(f"error: --warmup must be >= 2 (memory is measured over the first 2 iterations), "
+              f"--iters >= 1 and --runs >= 1, got {args.warmup}, {args.iters}, {args.runs}", file=sys.stderr)
         return 2
     from eth.profiles import ProfileDB
 
@@ -443,7 +475,8 @@ def main(argv=None) -> int:
                 mbs_list, tp_list = plan_shapes(plan)
                 adj_cmd = profile_cpu(before, mbs_list, tp_list, ADJ_REPEATS)
             load_before = loadavg()
-            meas = run_config(plan_path, plan.world_size, tmp / f"{name}.out.json", args.warmup, args.iters)
+            meas = combine_runs([run_config(plan_path, plan.world_size, tmp / f"{name}.out.json", args.warmup,
+                                            args.iters) for _ in range(args.runs)])
             load = f"{load_before} -> {loadavg()}"
             if not args.no_adjacent:
                 profile_cpu(after, mbs_list, tp_list, ADJ_REPEATS)
@@ -457,8 +490,8 @@ def main(argv=None) -> int:
                             "loadavg": load})
             print(rows[-1], flush=True)
     header = ["| config | what | iteration ms pred / meas (err) [adj.] | compute ms per pipeline pred / meas "
-              "(err) [adj.] | drift | tensor MiB per rank pred / meas (err) | loadavg before -> after |",
-              "|---|---|---|---|---|---|---|"]
+              "(err) [adj.] | drift | run spread | tensor MiB per rank pred / meas (err) | loadavg before -> after |",
+              "|---|---|---|---|---|---|---|---|"]
     errs_t = [r["predicted"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
     errs_c = [p / m - 1 for r in records for p, m in zip(r["predicted"]["compute_ms"], r["measured"]["compute_ms"])]
     errs_m = [p / m - 1 for r in records
@@ -479,13 +512,21 @@ def main(argv=None) -> int:
         summary += (f"\nadjacent-profile error range: iteration {min(adj_t):+.1%} .. {max(adj_t):+.1%}, "
                     f"compute per pipeline {min(adj_c):+.1%} .. {max(adj_c):+.1%}; host drift "
                     f"{min(drifts):.2f} .. {max(drifts):.2f}")
+    if args.runs > 1:
+        sp_t = [r["measured"]["spread"]["iteration"] for r in records]
+        sp_c = [c for r in records for c in r["measured"]["spread"]["compute"]]
+        summary += (f"\nrun-to-run spread over {args.runs} launches of each configuration ((max - min) / median): "
+                    f"iteration {min(sp_t):.0%} .. {max(sp_t):.0%}, compute per pipeline {min(sp_c):.0%} .. "
+                    f"{max(sp_c):.0%}")
     text = "\n".join([
         "# Predicted vs measured on this machine (bench/predictor_accuracy.py)", "",
         f"command: `{command}`  ", f"commit: {_commit()}  ",
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, {time.time() - start:.0f} s, "
         f"{os.cpu_count()} CPUs  ", f"profile: `{prof_cmd}`  ",
         f"emulated types: cpu-a emulate_speed {SPEED_A}, cpu-b {SPEED_B}; tiny GPT, fp32, gbs {GBS}, "
-        f"{args.warmup} warm-up + {args.iters} timed iterations (medians)  ",
+        f"{args.warmup} warm-up + {args.iters} timed iterations (medians)"
+        + (f", {args.runs} launches of each configuration in a row (medians of theirs)" if args.runs > 1 else "")
+        + "  ",
         "adjacent profiles: " + ("none (--no-adjacent)" if args.no_adjacent else
                                  f"right before and right after every run, the plan's (mbs, tp) only, "
                                  f"--repeats {ADJ_REPEATS}"), "",
@@ -500,7 +541,10 @@ def main(argv=None) -> int:
         "mean of the same prediction from two profiles of the plan's (mbs, tp) measured right "
         "before and right after the run, and its error; drift = those profiles' op times / the "
         "start profile's, before / after (> 1: the host was slower than at the start; before "
-        "and after apart: it changed during the run).  The raw errors are against the start "
+        "and after apart: it changed during the run).  Run spread (with --runs N > 1): (max - "
+        "min) / median of the measured iteration and of each pipeline's compute over the N "
+        "launches of the configuration; the measured figures are their medians.  The raw errors "
+        "are against the start "
         "profile, as a planner would use it.  Measured: median wall "
         "time of the timed iterations; the runtime's compute per pipeline (thread CPU time / "
         "emulate_speed, slowest rank); peak tensor bytes (torch.profiler, first 2 iterations).  "

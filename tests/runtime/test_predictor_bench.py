@@ -1,0 +1,50 @@
+"""bench/predictor_accuracy.py's pure parts: how repeated launches of one configuration
+are combined (``--runs``), and its bad-input line.  No torchrun, no timing."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("predictor_accuracy", REPO / "bench/predictor_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(it, compute, memory):
+    return {"iteration_ms": it, "compute_ms": compute, "memory_bytes": memory}
+
+
+def test_combine_runs_keeps_medians_per_figure_and_the_spread(bench):
+    runs = [_run(200.0, [190.0, 150.0], [7.0, 5.0]), _run(260.0, [150.0, 160.0], [7.0, 6.0]),
+            _run(220.0, [175.0, 120.0], [7.0, 5.0])]
+    got = bench.combine_runs(runs)
+    # medians taken figure by figure, not the median run's figures
+    assert got["iteration_ms"] == 220.0
+    assert got["compute_ms"] == [175.0, 150.0]
+    assert got["memory_bytes"] == [7.0, 5.0]
+    assert got["spread"]["iteration"] == pytest.approx(60 / 220)
+    assert got["spread"]["compute"] == pytest.approx([40 / 175, 40 / 150])
+    assert got["runs"] == runs
+    row = bench.rows_for("x", "desc", {"iteration_ms": 220.0, "compute_ms": [175.0, 150.0],
+                                       "memory_bytes": [7.0, 5.0]}, got, "load")[0]
+    assert "| 27%; p0 23%, p1 27% |" in row
+
+
+def test_one_run_has_no_spread_column_value(bench):
+    one = bench.combine_runs([_run(100.0, [90.0], [3.0])])
+    assert one["spread"]["iteration"] == 0.0
+    row = bench.rows_for("x", "desc", {"iteration_ms": 100.0, "compute_ms": [90.0], "memory_bytes": [3.0]},
+                         one, "load")[0]
+    assert row.count(" - |") == 2      # drift and run spread
+
+
+def test_runs_below_one_is_refused(bench, capsys):
+    assert bench.main(["--runs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--runs >= 1" in err and "got 3, 10, 0" in err
