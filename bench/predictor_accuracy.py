@@ -39,7 +39,11 @@
      the bytes the process's tensors hold, measured with ``torch.profiler``
      (``profile_memory``: every CPU allocation and free from before the model is built
      to the end of the second iteration; frees on gloo's threads counted too,
-     :func:`frees_on_all_threads`).
+     :func:`frees_on_all_threads`);
+   * where each rank's step went (:class:`StepPhases`, medians): the 1F1B schedule, the
+     gradient reducer's last collectives, the global norm, the optimizer step and the
+     rest, next to the optimizer step and the rest of the step that the cost model adds
+     to that rank's Eq. 5 end time.
 
 The emulated device types run at ``emulate_speed`` <= 0.25 so that all ranks' compute
 together needs at most about one core of the two, and sleeps (not contention) set the
@@ -134,13 +138,15 @@ def _demo_plan():
 # Predictions.
 
 def predict(plan, db) -> dict:
-    """Iteration ms (Eq. 5), per-pipeline compute ms, per-rank memory bytes (without reserved)."""
+    """Iteration ms (Eq. 5), per-pipeline compute ms, per-rank memory bytes (without
+    reserved) and, per rank, the optimizer step and the rest of the step the cost model adds
+    after Eq. 5 (``CostModel.optimizer_ms``, ``step_ms``)."""
     from eth.cost import CostModel
 
     db.ensure(plan.model, plan.cluster.types.values())
     cm = CostModel(plan.model, plan.cluster, db, plan.training)
     ev = cm.annotate(plan)
-    compute, memory = [], {}
+    compute, memory, after = [], {}, {}
     for p, pp in zip(plan.pipelines, ev["pipelines"]):
         m = p.lbs // p.mbs
         compute.append(m * max(c.fwd_ms + c.bwd_ms - c.comm_ms for c in pp["costs"]))
@@ -148,8 +154,10 @@ def predict(plan, db) -> dict:
             _, reserved = db.layer_costs(st.device_type, plan.model, p.mbs // st.dp, st.tp)
             for r in st.ranks:
                 memory[r] = c.memory_bytes - reserved
+                after[r] = (cm.optimizer_ms(p.mbs, st), cm.step_ms(p, st))
     return {"iteration_ms": ev["iteration_ms"], "compute_ms": compute,
-            "memory_bytes": [memory[r] for r in sorted(memory)]}
+            "memory_bytes": [memory[r] for r in sorted(memory)],
+            "optimizer_ms": [after[r][0] for r in sorted(after)], "step_ms": [after[r][1] for r in sorted(after)]}
 
 
 # ----------------------------------------------------------------------------------
@@ -207,6 +215,49 @@ def _peak_tensor_bytes(prof) -> float:
     return float(max(e["args"]["Total Allocated"] for e in mem) - base)
 
 
+PHASES = ("schedule", "grad sync finish", "grad norm", "optimizer")
+"""The parts of ``Trainer.step`` :class:`StepPhases` times: the 1F1B schedule (compute,
+p2p and the waits for the neighbouring stages), the gradient reducer's last collectives,
+the global gradient norm (an all-reduce over every rank) and the optimizer step (ZeRO's
+weight write-back included); the rest of the step is the remainder ("rest")."""
+
+
+class StepPhases:
+    """Wall time of each of :data:`PHASES` per step on this rank, by wrapping the
+    functions ``Trainer.step`` calls (no change to the runtime)."""
+
+    def __init__(self):
+        self.seconds = {name: [] for name in PHASES}
+
+    def wrap(self, owner, attr: str, name: str):
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds[name].append(time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
+
+    def install(self, trainer):
+        from megatron.hpp import grad_sync, schedule
+
+        self.wrap(schedule, "one_f_one_b", "schedule")    # Trainer.step imports them at call time
+        self.wrap(grad_sync, "global_grad_norm", "grad norm")
+        self.wrap(trainer.reducer, "finish", "grad sync finish")
+        self.wrap(trainer.optimizer, "step", "optimizer")
+
+    def medians_ms(self, first: int, steps_s: list) -> dict:
+        """Median ms of each phase over the steps from index ``first`` on, and of the rest."""
+        out = {n: statistics.median(v[first:]) * 1e3 if v[first:] else 0.0 for n, v in self.seconds.items()}
+        rest = [t - sum(v[i] for v in self.seconds.values() if i < len(v))
+                for i, t in enumerate(steps_s) if i >= first]
+        out["rest"] = statistics.median(rest) * 1e3
+        return out
+
+
 def worker(args) -> int:
     import torch
     import torch.distributed as dist
@@ -219,19 +270,23 @@ def worker(args) -> int:
     plan, layout, rank = prepare(cfg)
     with frees_on_all_threads(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = Trainer(cfg, layout, rank)
+        phases = StepPhases()
+        phases.install(trainer)
         results = [trainer.step(i) for i in range(2)]   # the peak: optimizer state exists from step 1
     peak = _peak_tensor_bytes(prof)
     del prof
     results += [trainer.step(i) for i in range(2, total)]
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
+    phases_ms = [None] * dist.get_world_size()
+    dist.all_gather_object(phases_ms, phases.medians_ms(args.warmup, [r.elapsed_s for r in results]))
     if rank == 0:
         steady = results[args.warmup:]
         out = {"iteration_ms": statistics.median(r.elapsed_s for r in steady) * 1e3,
                "iteration_ms_all": [r.elapsed_s * 1e3 for r in results],
                "compute_ms": [statistics.median(r.compute_s[p] for r in steady) * 1e3
                               for p in range(len(plan.pipelines))],
-               "memory_bytes": peaks, "torch_threads": torch.get_num_threads()}
+               "memory_bytes": peaks, "phases_ms": phases_ms, "torch_threads": torch.get_num_threads()}
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
@@ -366,6 +421,8 @@ def combine_runs(runs: list[dict]) -> dict:
     return {"iteration_ms": med(r["iteration_ms"] for r in runs),
             "compute_ms": [med(r["compute_ms"][p] for r in runs) for p in pipes],
             "memory_bytes": [med(r["memory_bytes"][i] for r in runs) for i in ranks],
+            "phases_ms": [{k: med(r["phases_ms"][i][k] for r in runs) for k in runs[0]["phases_ms"][i]}
+                          for i in ranks] if "phases_ms" in runs[0] else None,
             "spread": {"iteration": spread([r["iteration_ms"] for r in runs]),
                        "compute": [spread([r["compute_ms"][p] for r in runs]) for p in pipes]},
             "runs": runs}
@@ -403,6 +460,20 @@ def rows_for(name, desc, pred, meas, load, adj=None, drift=None) -> list[str]:
     return [f"| {name} | {desc} | {pred['iteration_ms']:.1f} / {meas['iteration_ms']:.1f} "
             f"({_err(pred['iteration_ms'], meas['iteration_ms'])}){adj_err('iteration_ms')} | {comp} |"
             f"{drift_col} {mem} | {load} |"]
+
+
+def phase_rows(name, pred, meas) -> list[str]:
+    """Per rank, where its step went (medians, ms): :data:`PHASES` and the rest, measured,
+    next to what the cost model adds after Eq. 5 for that rank (optimizer; the rest of the
+    step, which the grad norm and the remainder measure)."""
+    if not meas.get("phases_ms"):
+        return []
+    rows = []
+    for r, ph in enumerate(meas["phases_ms"]):
+        cells = " | ".join(f"{ph[k]:.1f}" for k in PHASES)
+        rows.append(f"| {name} | r{r} | {cells} | {ph['rest']:.1f} | {pred['optimizer_ms'][r]:.1f} | "
+                    f"{pred['step_ms'][r]:.1f} |")
+    return rows
 
 
 def _commit() -> str:
@@ -461,7 +532,7 @@ def main(argv=None) -> int:
             conc_line, conc, fake_cmd = concurrency_line(profile, tmp)
             print(conc_line, flush=True)
 
-        rows, records = [], []
+        rows, records, phase_table = [], [], []
         for name in names:
             desc, build = CONFIGS[name]
             plan = build()
@@ -484,6 +555,7 @@ def main(argv=None) -> int:
                                       predict(build(), ProfileDB.load(after)))
                 drift = (host_drift(profile, before), host_drift(profile, after))
             rows += rows_for(name, desc, pred, meas, load, adj, drift)
+            phase_table += phase_rows(name, pred, meas)
             records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
                             "predicted_without_overheads": bare,
                             "predicted_adjacent": adj, "adjacent_profile": adj_cmd, "host_drift": drift,
@@ -531,6 +603,12 @@ def main(argv=None) -> int:
                                  f"right before and right after every run, the plan's (mbs, tp) only, "
                                  f"--repeats {ADJ_REPEATS}"), "",
         *header, *rows, "", summary, "", conc_line, "",
+        "Where each rank's step went (measured medians, ms; `StepPhases`: schedule = the 1F1B "
+        "schedule with its compute, p2p and waits; grad sync finish = the reducer's last collectives; "
+        "grad norm = the global norm's all-reduce; optimizer with ZeRO's write-back; rest = the "
+        "remainder of Trainer.step) next to what the cost model adds to that rank's Eq. 5 end time:", "",
+        "| config | rank | " + " | ".join(PHASES) + " | rest | pred. optimizer | pred. rest of step |",
+        "|---|---|" + "---|" * (len(PHASES) + 3), *phase_table, "",
         "Predicted: `eth.cost.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
         "slowest stage's forward + backward x micro-batches, without tp collectives and p2p, "
         "with the profile's measured runtime overheads (per layer, per stage call, per "

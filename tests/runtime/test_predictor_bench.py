@@ -48,3 +48,26 @@ def test_runs_below_one_is_refused(bench, capsys):
     assert bench.main(["--runs", "0"]) == 2
     err = capsys.readouterr().err
     assert "--runs >= 1" in err and "got 3, 10, 0" in err
+
+
+def test_step_phases_times_the_wrapped_calls_and_leaves_the_rest(bench):
+    import time
+
+    class Owner:
+        def work(self, x):
+            time.sleep(0.002)
+            return x + 1
+
+    phases = bench.StepPhases()
+    owner = Owner()
+    phases.wrap(owner, "work", "optimizer")
+    assert owner.work(1) == 2                      # the wrapped call still returns its result
+    assert owner.work(2) == 3
+    assert len(phases.seconds["optimizer"]) == 2 and min(phases.seconds["optimizer"]) >= 0.002
+    phases.seconds = {"schedule": [0.010, 0.020], "grad sync finish": [0.001, 0.002], "grad norm": [0.0, 0.001],
+                      "optimizer": [0.003, 0.004]}
+    got = phases.medians_ms(1, [0.020, 0.030])      # the first step is left out
+    assert got["schedule"] == pytest.approx(20.0) and got["optimizer"] == pytest.approx(4.0)
+    assert got["rest"] == pytest.approx(30.0 - 20.0 - 2.0 - 1.0 - 4.0)
+    row = bench.phase_rows("cfg", {"optimizer_ms": [0.5], "step_ms": [1.25]}, {"phases_ms": [got]})[0]
+    assert row == "| cfg | r0 | 20.0 | 2.0 | 1.0 | 4.0 | 3.0 | 0.5 | 1.2 |"
