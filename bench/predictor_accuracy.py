@@ -6,7 +6,10 @@
    tp 1,2 with ``--real-tp``: tp 2 timed by 2 processes on a real gloo group, as the
    runtime runs it, collectives included; thread CPU time, so other processes on the
    machine do not inflate it)
-   unless ``--profile FILE`` names a measured profile to use.
+   unless ``--profile FILE`` names a measured profile to use; then adds gloo collective
+   tables over 2..(largest configuration's world) ranks (``--collectives-only`` under
+   torchrun): the cost model reads the end-of-step all-reduces' latency and the p2p from
+   them (the summary also gives the error without them, as before).
 2. Builds the configurations of :data:`CONFIGS` (tiny GPT, fp32, gbs 16; homogeneous
    and heterogeneous through ``emulate_speed``, 1-3 pipelines, tp and dp stages, with
    and without recompute; and the README main job's plan), predicts each with ``eth.cost.CostModel`` from that profile
@@ -154,7 +157,7 @@ def predict(plan, db) -> dict:
             _, reserved = db.layer_costs(st.device_type, plan.model, p.mbs // st.dp, st.tp)
             for r in st.ranks:
                 memory[r] = c.memory_bytes - reserved
-                after[r] = (cm.optimizer_ms(p.mbs, st), cm.step_ms(p, st))
+                after[r] = (cm.optimizer_ms(p.mbs, st), cm.step_ms(p, st, plan.world_size))
     return {"iteration_ms": ev["iteration_ms"], "compute_ms": compute,
             "memory_bytes": [memory[r] for r in sorted(memory)],
             "optimizer_ms": [after[r][0] for r in sorted(after)], "step_ms": [after[r][1] for r in sorted(after)]}
@@ -309,6 +312,42 @@ def profile_cpu(path: Path, mbs="1,2,4,8,16", tp="1,2", repeats=20, real_tp=True
            "--no-progress", "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL)
     return shlex.join(["python", "tools/profile_ops.py"] + cmd[2:-1] + [f"<tmp>/{path.name}"])
+
+
+COLLECTIVE_SIZES = "64,1024,16384,65536,262144"
+"""Message sizes (bytes) of the collective tables: the step's few-float all-reduces and the
+stage-boundary activations (16-64 KiB) of the tiny GPT."""
+
+
+def profile_collectives(path: Path, world: int, repeats=20) -> str:
+    """Adds measured gloo collective tables over 2..``world`` ranks to the profile at
+    ``path`` (``tools/profile_ops.py --collectives-only`` under torchrun)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(ROOT / "tools" / "profile_ops.py"), "--device-type", "cpu", "--collectives-only",
+           "--collective-sizes", COLLECTIVE_SIZES, "--repeats", str(repeats), "-o", str(path)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return shlex.join(["torchrun", "--standalone", "--nproc-per-node", str(world), "tools/profile_ops.py"]
+                      + cmd[8:-1] + [f"<tmp>/{path.name}"])
+
+
+def copy_collectives(src: Path, dst: Path) -> None:
+    """The collective tables of profile ``src`` into profile ``dst`` (the adjacent op
+    profiles get the start profile's: they re-measure the ops only)."""
+    from eth.profiles import save_profile
+
+    tables = json.loads(src.read_text()).get("collectives")
+    if tables:
+        save_profile(dict(json.loads(dst.read_text()), collectives=tables), dst)
+
+
+def _without_collectives(path: Path):
+    """The profile at ``path`` without its measured collective tables (the cost model's
+    alpha-beta collectives and one-process step time, as before they were measured)."""
+    from eth.profiles import DeviceProfile, ProfileDB, load_profile
+
+    data = dict(load_profile(path).data)
+    data.pop("collectives", None)
+    return ProfileDB({data["device"]: DeviceProfile(data)})
 
 
 def plan_shapes(plan) -> tuple[str, str]:
@@ -525,6 +564,10 @@ def main(argv=None) -> int:
             profile = tmp / "cpu.json"
             load0 = loadavg()
             prof_cmd = profile_cpu(profile) + f"   # load {load0} -> {loadavg()}"
+            world = max(CONFIGS[n][1]().world_size for n in names)
+            if world >= 2:
+                load0 = loadavg()
+                prof_cmd += f"; then {profile_collectives(profile, world)}   # load {load0} -> {loadavg()}"
             print(f"profiled: {prof_cmd}", flush=True)
         conc = fake_cmd = None
         conc_line = "concurrency: not measured (--profile given)"
@@ -538,6 +581,7 @@ def main(argv=None) -> int:
             plan = build()
             pred = predict(plan, ProfileDB.load(profile))
             bare = predict(build(), _without_overheads(profile))
+            no_coll = predict(build(), _without_collectives(profile))
             plan_path = tmp / f"{name}.json"
             plan.save(plan_path)
             adj = drift = adj_cmd = None
@@ -545,19 +589,21 @@ def main(argv=None) -> int:
                 before, after = tmp / f"cpu-{name}-before.json", tmp / f"cpu-{name}-after.json"
                 mbs_list, tp_list = plan_shapes(plan)
                 adj_cmd = profile_cpu(before, mbs_list, tp_list, ADJ_REPEATS)
+                copy_collectives(profile, before)
             load_before = loadavg()
             meas = combine_runs([run_config(plan_path, plan.world_size, tmp / f"{name}.out.json", args.warmup,
                                             args.iters) for _ in range(args.runs)])
             load = f"{load_before} -> {loadavg()}"
             if not args.no_adjacent:
                 profile_cpu(after, mbs_list, tp_list, ADJ_REPEATS)
+                copy_collectives(profile, after)
                 adj = mean_prediction(predict(build(), ProfileDB.load(before)),
                                       predict(build(), ProfileDB.load(after)))
                 drift = (host_drift(profile, before), host_drift(profile, after))
             rows += rows_for(name, desc, pred, meas, load, adj, drift)
             phase_table += phase_rows(name, pred, meas)
             records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
-                            "predicted_without_overheads": bare,
+                            "predicted_without_overheads": bare, "predicted_without_collectives": no_coll,
                             "predicted_adjacent": adj, "adjacent_profile": adj_cmd, "host_drift": drift,
                             "loadavg": load})
             print(rows[-1], flush=True)
@@ -576,6 +622,11 @@ def main(argv=None) -> int:
               for p, m in zip(r["predicted_without_overheads"]["compute_ms"], r["measured"]["compute_ms"])]
     summary += (f"\nwithout the profile's overhead_ms (ops only, as before): iteration {min(bare_t):+.1%} .. "
                 f"{max(bare_t):+.1%}, compute per pipeline {min(bare_c):+.1%} .. {max(bare_c):+.1%}")
+    if any(r["predicted_without_collectives"] != r["predicted"] for r in records):
+        nc_t = [r["predicted_without_collectives"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1
+                for r in records]
+        summary += (f"\nwithout the measured collective tables (step all-reduces and p2p as before): iteration "
+                    f"{min(nc_t):+.1%} .. {max(nc_t):+.1%}")
     if not args.no_adjacent:
         adj_t = [r["predicted_adjacent"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
         adj_c = [p / m - 1 for r in records

@@ -64,7 +64,8 @@ over the slowest link among its holders.  Iteration time of a plan
 (:meth:`CostModel.evaluate`) is max over pipelines and stages of Te + the stage's
 optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only) and the rest of
 the training step outside the compute calls (:meth:`CostModel.step_ms`: end-of-step
-all-reduces, data; measured profiles only).
+all-reduces, data; measured profiles only; with the profile's measured all-reduce table
+at the plan's world size, the latency of the step's all-reduces over every rank too).
 """
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ def eq5_end_times(costs, lbs: int, mbs: int, ar_ms=None) -> list[float]:
         tail += costs[j].bwd_ms
         ends.append(head + tail + ar_ms[j])
     return ends[::-1]
+
+
+STEP_ALLREDUCES = 3
+"""All-reduces over every rank in each training step after the backward
+(``megatron.hpp.training.Trainer.step``): the gradient norm's, and the statistics' sum
+and max."""
 
 
 def eq6_allreduce_ms(grad_bytes: float, n: int, gbps: float) -> float:
@@ -379,15 +386,27 @@ class CostModel(StageFloors):
         ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
         return ms / stage.dp if self.setup.zero_stage > 0 else ms
 
-    def step_ms(self, pipeline, stage) -> float:
+    def step_ms(self, pipeline, stage, world: int = 1) -> float:
         """The training step on one rank of ``stage`` outside its compute calls and the
         optimizer (measured profiles' overhead_ms "step": per iteration, the gradient-norm
-        and statistics all-reduces; per sample of the rank's share of the pipeline's batch,
-        Lbs / dp, the data fetch), added to the stage's Eq. 5 end time; 0 without the field."""
-        if not self.profiles.get(stage.device_type).has_overheads:
+        and statistics all-reduces as one process runs them; per sample of the rank's share
+        of the pipeline's batch, Lbs / dp, the data fetch), added to the stage's Eq. 5 end
+        time; 0 without the field.  Over ``world`` > 1 ranks those all-reduces also pay the
+        latency of a collective over every rank: :data:`STEP_ALLREDUCES` x
+        :meth:`world_allreduce_ms`."""
+        profile = self.profiles.get(stage.device_type)
+        if not profile.has_overheads:
             return 0.0
         oh = self.profiles.overheads(stage.device_type, self.model, pipeline.mbs // stage.dp, stage.tp)
-        return oh[12] + pipeline.lbs / stage.dp * oh[13]
+        return oh[12] + pipeline.lbs / stage.dp * oh[13] + STEP_ALLREDUCES * self.world_allreduce_ms(profile, world)
+
+    @staticmethod
+    def world_allreduce_ms(profile, world: int) -> float:
+        """One small all-reduce over ``world`` ranks from the profile's measured table at
+        that size (its smallest message: the step's are a few floats, latency-bound); 0
+        without such a table (the one-process time in "step" stands, as before)."""
+        table = profile.collective_table("all_reduce", world) if world > 1 else None
+        return table[0][1] if table else 0.0
 
     def _peak_extra(self, params: float, activations: float) -> float:
         """Bytes above the model states at the device's peak: the activation peak, or the
@@ -536,11 +555,12 @@ class CostModel(StageFloors):
         """Predicted times and memory of a whole plan (Eq. 5 with Eq. 6); ``ar``: the plan's
         :meth:`stage_allreduce_ms` when the caller has it (it does not depend on Lbs)."""
         ar = ar if ar is not None else self.stage_allreduce_ms(plan.pipelines)
+        world = sum(len(s.ranks) for p in plan.pipelines for s in p.stages)
         pipes = []
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
             ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
-            ends = [e + self.optimizer_ms(p.mbs, s) + self.step_ms(p, s) for e, s in zip(ends, p.stages)]
+            ends = [e + self.optimizer_ms(p.mbs, s) + self.step_ms(p, s, world) for e, s in zip(ends, p.stages)]
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):

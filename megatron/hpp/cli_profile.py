@@ -5,6 +5,8 @@ installed as ``hpp-profile``.
         -o profiles/measured/cpu.json
     torchrun --nproc-per-node 8 tools/profile_ops.py --model gpt3-13b --device-type H100 \
         --mbs 1,2,4,8 --tp 1,2,4,8 --collectives -o profiles/measured/H100.json
+    torchrun --nproc-per-node 4 tools/profile_ops.py --device-type cpu --collectives-only \
+        -o profiles/measured/cpu.json      # add collective tables to an existing profile
 
 Ops are the runtime's own (megatron/hpp/model.py), one tp rank's shard each; what is
 measured and how: megatron/hpp/profiler.py and docs/RUNTIME.md; the file and its
@@ -28,7 +30,7 @@ from eth.errors import SpecError
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--model", required=True, help="model preset (eth.model.PRESETS)")
+    p.add_argument("--model", help="model preset (eth.model.PRESETS); required unless --collectives-only")
     p.add_argument("--seq", type=int, help="sequence length override")
     p.add_argument("--attention", choices=("unfused", "fused"),
                    help="attention op set override (default: the preset's; eth.model.ModelSpec.attention)")
@@ -41,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--collectives", action="store_true",
                    help="also time collectives (under torchrun, world size >= 2; rank 0 writes)")
+    p.add_argument("--collectives-only", action="store_true",
+                   help="time only the collectives (under torchrun) and add their tables to the existing "
+                        "profile -o, whose op entries stay as they are")
     p.add_argument("--collective-sizes", help="comma-separated message sizes in bytes "
                                               "(default 1 KiB .. 64 MiB, x4 steps)")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write (merged if present)")
@@ -63,6 +68,10 @@ def _main(argv=None) -> int:
     from eth.model import get_model
     from eth.profiles import load_profile
 
+    if args.collectives_only:
+        return _collectives_only(args, argv)
+    if args.model is None:
+        raise SpecError("--model is required (unless --collectives-only)")
     if args.seq is not None and args.seq <= 0:
         raise SpecError(f"--seq must be positive, got {args.seq}")
     model = get_model(args.model, seq_len=args.seq, attention=args.attention)
@@ -125,6 +134,37 @@ def _main(argv=None) -> int:
     print(profile_file.summary_table(cfg, entries))
     print(f"wrote {out} ({len(entries)} (mbs, tp) entries for {model.name} on {cfg.device_type}"
           f"{', collectives ' + ','.join(collectives) if collectives else ''})")
+    return 0
+
+
+def _collectives_only(args, argv) -> int:
+    """``--collectives-only``: time the collectives on every rank and merge their tables
+    into the existing measured profile ``-o`` of ``--device-type`` (rank 0 writes)."""
+    from eth.profiles import load_profile, save_profile
+    from megatron.hpp import profile_file, profiler
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world < 2:
+        raise SpecError(f"--collectives-only needs torchrun with >= 2 processes, WORLD_SIZE is {world}")
+    out = Path(args.output)
+    if not out.exists():
+        raise SpecError(f"--collectives-only adds tables to an existing profile; {out} does not exist")
+    old = load_profile(out).data
+    profile_file.check_merge_target(old, args.device_type, str(out))
+    sizes = int_list(args.collective_sizes) if args.collective_sizes else None
+    collectives = _collectives(profiler, sizes, args.repeats, args.warmup)
+    if rank != 0:
+        return 0
+    data = profile_file.add_collectives(old, collectives, {
+        "world_size": world, "sizes_bytes": "full buffer per rank (fp32)",
+        "statistic": "median over repeats, max over ranks",
+        "command": "python tools/profile_ops.py " + shlex.join(argv)})
+    try:
+        save_profile(data, out)
+    except OSError as exc:
+        raise SpecError(f"cannot write {out}: {exc.strerror or exc}") from None
+    sizes_n = sorted({n for table in collectives.values() for n in table}, key=int)
+    print(f"wrote {out} (collectives {','.join(collectives)} over {','.join(sizes_n)} ranks; op entries kept)")
     return 0
 
 

@@ -17,6 +17,10 @@ from megatron.hpp.profiler import _Clock
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DEFAULT_COLLECTIVE_SIZES = tuple(2 ** k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
+GROUP_WARMUP = 20
+"""Untimed small all-reduces on each new group before its first timed size (without them
+the first size's median held the group's connection set-up: gloo, 2-4 ranks on this
+2-core machine, 64 B above 1 KiB)."""
 
 
 def measure_collectives(device: torch.device, sizes=DEFAULT_COLLECTIVE_SIZES, repeats: int = 10,
@@ -42,6 +46,8 @@ def measure_collectives(device: torch.device, sizes=DEFAULT_COLLECTIVE_SIZES, re
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
         if rank < n:
+            for _ in range(GROUP_WARMUP):   # a new group's first collectives connect its ranks
+                dist.all_reduce(torch.ones(n, device=device), group=group)
             rows = {k: [] for k in COLLECTIVE_KINDS}
             for nbytes in sizes:
                 numel = max(n, nbytes // 4 // n * n)  # fp32, divisible by n

@@ -94,6 +94,15 @@ def merge_profiles(old: dict, new: dict, where: str = "output") -> dict:
     return merged
 
 
+def add_collectives(old: dict, collectives: dict, provenance: dict) -> dict:
+    """``old`` with ``collectives``' tables merged in (same kind and group size: replaced)
+    and ``provenance`` filed as its provenance's "collectives"; its models unchanged."""
+    colls = {k: dict(v) for k, v in (old.get("collectives") or {}).items()}
+    for kind, table in collectives.items():
+        colls.setdefault(kind, {}).update(table)
+    return dict(old, collectives=colls, provenance=dict(old.get("provenance") or {}, collectives=provenance))
+
+
 # ----------------------------------------------------------------------------------
 # Summary.
 

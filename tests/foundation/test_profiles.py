@@ -321,3 +321,41 @@ def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulatio
     assert got["with"][0] == got["without"][0]
     assert [a - b for a, b in zip(got["with"][1], got["without"][1])] == pytest.approx(
         [0.7 + 8 / 2 * 0.05, 0.7 + 8 * 0.05])
+
+
+def test_step_allreduces_pay_the_measured_latency_over_the_plans_world():
+    """With a measured all-reduce table at the plan's world size, each stage's rest of
+    the step adds STEP_ALLREDUCES x the table's small-message time (an emulated type at
+    host speed too); a table for another size, or none, adds nothing."""
+    from dataclasses import replace
+
+    from eth.cluster import Cluster
+    from eth.cost import STEP_ALLREDUCES, CostModel
+    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.precision import TrainSetup
+
+    cpu = catalog()["cpu"]
+    cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
+                                 "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
+                                 "nodes": [{"type": "cpu", "devices_per_node": 2},
+                                           {"type": "cpu-e", "devices_per_node": 1}]})
+    setup = TrainSetup("fp32", 0, "fp32")
+    plan = Plan(model=TINY, cluster=cluster, gbs=8, training=setup, pipelines=[
+        PipelinePlan(2, 8, [StagePlan([0, 1], "cpu", 1, 2, (0, 2), {}), StagePlan([2], "cpu-e", 1, 1, (2, 4), {})])])
+    ends = {}
+    for name, tables in (("none", None), ("world 3", {"3": [[4096, 9.0], [64, 2.5]]}),
+                         ("world 2 only", {"2": [[64, 1.0]]})):
+        data = _with_overheads()
+        if tables:
+            data["collectives"] = {"all_reduce": tables}
+        db = ProfileDB({"cpu": DeviceProfile(data)})
+        db.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
+        cm = CostModel(TINY, cluster, db, setup)
+        ends[name] = cm.evaluate(plan)["pipelines"][0]["end_ms"]
+        if name == "world 3":
+            stage = plan.pipelines[0].stages[1]
+            assert cm.step_ms(plan.pipelines[0], stage, 3) - cm.step_ms(plan.pipelines[0], stage) == \
+                pytest.approx(STEP_ALLREDUCES * 2.5)       # the smallest message's time, not 4096 B's
+    assert STEP_ALLREDUCES == 3
+    assert [a - b for a, b in zip(ends["world 3"], ends["none"])] == pytest.approx([7.5, 7.5])
+    assert ends["world 2 only"] == pytest.approx(ends["none"])

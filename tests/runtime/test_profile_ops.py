@@ -234,6 +234,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
              (["--model", "tiny", "--mbs", "-1", "-o", str(out)], "expected positive integers"),
              (["--model", "tiny", "-o", str(blocker / "p.json")], "cannot be written"),
              (["--model", "tiny", "--collectives", "-o", str(out)], "WORLD_SIZE is 1"),
+             (["--collectives-only", "-o", str(out)], "--collectives-only needs torchrun"),
+             (["--mbs", "1", "-o", str(out)], "--model is required (unless --collectives-only)"),
              (["--model", "tiny", "-o", str(analytic)], "holds 'analytic' profiles")]
     for argv, message in cases:
         assert run([*argv, "--device-type", "cpu", *FAST]) == 2, argv
@@ -282,6 +284,17 @@ def test_collectives_on_two_gloo_ranks(tmp_path):
     ms = collective_ms("all_reduce", 2, 1024, 1.0, prof)  # the table, not the 1 Gbit/s model
     assert ms == pytest.approx(colls["all_reduce"]["2"][0][1])
     assert prof.data["provenance"]["collectives"]["world_size"] == 2
+    # --collectives-only: new tables (same group size: replaced), the op entries untouched
+    results = launch(2, ["--device-type", "cpu", "--collectives-only", "--collective-sizes", "64", "-o", str(out),
+                         *FAST], script=REPO / "tools" / "profile_ops.py")
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    assert "op entries kept" in results[0].stdout
+    again = load_profile(out).data
+    assert again["models"] == prof.data["models"]
+    assert {kind: [row[0] for row in t["2"]] for kind, t in again["collectives"].items()} == \
+        {kind: [64] for kind in colls}
+    assert "--collectives-only" in again["provenance"]["collectives"]["command"]
 
 
 def test_device_type_warning_on_cpu(tmp_path, capsys):
