@@ -327,7 +327,7 @@ def profile_collectives(path: Path, world: int, repeats=20) -> str:
            "--collective-sizes", COLLECTIVE_SIZES, "--repeats", str(repeats), "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return shlex.join(["torchrun", "--standalone", "--nproc-per-node", str(world), "tools/profile_ops.py"]
-                      + cmd[8:-1] + [f"<tmp>/{path.name}"])
+                      + cmd[7:-1] + [f"<tmp>/{path.name}"])
 
 
 def copy_collectives(src: Path, dst: Path) -> None:
