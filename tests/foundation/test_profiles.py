@@ -275,18 +275,13 @@ def test_optimizer_step_is_added_per_stage_and_not_stretched_by_emulation():
     assert CostModel(TINY, cluster, ProfileDB({"cpu": DeviceProfile(flat_profile())})).optimizer_ms(2, three) == 0
 
 
-def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulation():
-    """overhead_ms "step" [per iteration, per sample]: Eq. 5 adds it once to every stage's
-    end time (with the optimizer step), per sample of the rank's Lbs / dp share; an
-    emulated type pays it at host speed; without the field nothing changes."""
-    from dataclasses import replace
-
+def _step_plan():
+    """(cpu type, cluster, fp32 setup, plan) of the step-overhead tests: a dp 2 cpu stage
+    (ranks 0-1) then an emulated cpu-e stage at speed 0.5 (rank 2), gbs 8, mbs 2."""
     from eth.cluster import Cluster
-    from eth.cost import CostModel, eq5_end_times
     from eth.plan import PipelinePlan, Plan, StagePlan
     from eth.precision import TrainSetup
 
-    cpu = catalog()["cpu"]
     cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
                                  "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
                                  "nodes": [{"type": "cpu", "devices_per_node": 2},
@@ -294,6 +289,18 @@ def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulatio
     setup = TrainSetup("fp32", 0, "fp32")
     plan = Plan(model=TINY, cluster=cluster, gbs=8, training=setup, pipelines=[
         PipelinePlan(2, 8, [StagePlan([0, 1], "cpu", 1, 2, (0, 2), {}), StagePlan([2], "cpu-e", 1, 1, (2, 4), {})])])
+    return catalog()["cpu"], cluster, setup, plan
+
+
+def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulation():
+    """overhead_ms "step" [per iteration, per sample]: Eq. 5 adds it once to every stage's
+    end time (with the optimizer step), per sample of the rank's Lbs / dp share; an
+    emulated type pays it at host speed; without the field nothing changes."""
+    from dataclasses import replace
+
+    from eth.cost import CostModel, eq5_end_times
+
+    cpu, cluster, setup, plan = _step_plan()
     for data, step in ((_with_overheads(), (0.7, 0.05)), (flat_profile(mbs=(1, 2)), (0.0, 0.0))):
         db = ProfileDB({"cpu": DeviceProfile(data)})
         db.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
@@ -329,19 +336,9 @@ def test_step_allreduces_pay_the_measured_latency_over_the_plans_world():
     host speed too); a table for another size, or none, adds nothing."""
     from dataclasses import replace
 
-    from eth.cluster import Cluster
     from eth.cost import STEP_ALLREDUCES, CostModel
-    from eth.plan import PipelinePlan, Plan, StagePlan
-    from eth.precision import TrainSetup
 
-    cpu = catalog()["cpu"]
-    cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
-                                 "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
-                                 "nodes": [{"type": "cpu", "devices_per_node": 2},
-                                           {"type": "cpu-e", "devices_per_node": 1}]})
-    setup = TrainSetup("fp32", 0, "fp32")
-    plan = Plan(model=TINY, cluster=cluster, gbs=8, training=setup, pipelines=[
-        PipelinePlan(2, 8, [StagePlan([0, 1], "cpu", 1, 2, (0, 2), {}), StagePlan([2], "cpu-e", 1, 1, (2, 4), {})])])
+    cpu, cluster, setup, plan = _step_plan()
     ends = {}
     for name, tables in (("none", None), ("world 3", {"3": [[4096, 9.0], [64, 2.5]]}),
                          ("world 2 only", {"2": [[64, 1.0]]})):

@@ -3,7 +3,9 @@ the backward's transient, from the shipped measured CPU profile) against the byt
 runtime's tensors really hold at their peak (torch.profiler's CPU allocation counter over
 Trainer construction and two steps, ``frees_on_all_threads`` included), as
 bench/predictor_accuracy.py measures it for its multi-rank table.  One process, an
-in-memory gloo store: deterministic, no timing."""
+in-memory gloo store: deterministic, no timing.  Then the bench's pure parts: how repeated
+launches of one configuration are combined (``--runs``), the per-rank step breakdown
+(``StepPhases``) and its bad-input line."""
 import gc
 import importlib.util
 from pathlib import Path
@@ -72,3 +74,60 @@ def test_one_rank_memory_prediction_matches_tensor_bytes(bench, world_of_one, tm
     # without which the fully recomputed prediction was 11% low)
     assert measured > 5 * 2 ** 20
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def _run(it, compute, memory):
+    return {"iteration_ms": it, "compute_ms": compute, "memory_bytes": memory}
+
+
+def test_combine_runs_keeps_medians_per_figure_and_the_spread(bench):
+    runs = [_run(200.0, [190.0, 150.0], [7.0, 5.0]), _run(260.0, [150.0, 160.0], [7.0, 6.0]),
+            _run(220.0, [175.0, 120.0], [7.0, 5.0])]
+    got = bench.combine_runs(runs)
+    # medians taken figure by figure, not the median run's figures
+    assert got["iteration_ms"] == 220.0
+    assert got["compute_ms"] == [175.0, 150.0]
+    assert got["memory_bytes"] == [7.0, 5.0]
+    assert got["spread"]["iteration"] == pytest.approx(60 / 220)
+    assert got["spread"]["compute"] == pytest.approx([40 / 175, 40 / 150])
+    assert got["runs"] == runs
+    row = bench.rows_for("x", "desc", {"iteration_ms": 220.0, "compute_ms": [175.0, 150.0],
+                                       "memory_bytes": [7.0, 5.0]}, got, "load")[0]
+    assert "| 27%; p0 23%, p1 27% |" in row
+
+
+def test_one_run_has_no_spread_column_value(bench):
+    one = bench.combine_runs([_run(100.0, [90.0], [3.0])])
+    assert one["spread"]["iteration"] == 0.0
+    row = bench.rows_for("x", "desc", {"iteration_ms": 100.0, "compute_ms": [90.0], "memory_bytes": [3.0]},
+                         one, "load")[0]
+    assert row.count(" - |") == 2      # drift and run spread
+
+
+def test_runs_below_one_is_refused(bench, capsys):
+    assert bench.main(["--runs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--runs >= 1" in err and "got 3, 10, 0" in err
+
+
+def test_step_phases_times_the_wrapped_calls_and_leaves_the_rest(bench):
+    import time
+
+    class Owner:
+        def work(self, x):
+            time.sleep(0.002)
+            return x + 1
+
+    phases = bench.StepPhases()
+    owner = Owner()
+    phases.wrap(owner, "work", "optimizer")
+    assert owner.work(1) == 2                      # the wrapped call still returns its result
+    assert owner.work(2) == 3
+    assert len(phases.seconds["optimizer"]) == 2 and min(phases.seconds["optimizer"]) >= 0.002
+    phases.seconds = {"schedule": [0.010, 0.020], "grad sync finish": [0.001, 0.002], "grad norm": [0.0, 0.001],
+                      "optimizer": [0.003, 0.004]}
+    got = phases.medians_ms(1, [0.020, 0.030])      # the first step is left out
+    assert got["schedule"] == pytest.approx(20.0) and got["optimizer"] == pytest.approx(4.0)
+    assert got["rest"] == pytest.approx(30.0 - 20.0 - 2.0 - 1.0 - 4.0)
+    row = bench.phase_rows("cfg", {"optimizer_ms": [0.5], "step_ms": [1.25]}, {"phases_ms": [got]})[0]
+    assert row == "| cfg | r0 | 20.0 | 2.0 | 1.0 | 4.0 | 3.0 | 0.5 | 1.2 |"
