@@ -52,13 +52,13 @@ from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
                                    pipeline_can_hold, plan_tp_in_nodes)
 from eth.planner.evaluate import Evaluator
+from eth.planner.finish import finish
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
-from eth.planner.polish import Candidate, finer_microbatches, lightest, polish, variant_allocation
+from eth.planner.polish import Candidate, finer_microbatches, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
 from eth.planner.recompute_runs import RunEvaluator
-from eth.planner.symmetric import adopt, symmetric_phase
-from eth.planner.workers import Forked, can_fork, parallel_map
+from eth.planner.workers import Forked, can_fork
 from eth.profiles import ProfileDB
 
 
@@ -371,7 +371,7 @@ class HPPSearch:
                 self.stats.groups_not_visited += n - visited
                 if dp_now:
                     break
-            symmetric = self._finish()
+            symmetric = finish(self)
         finally:
             bar.close()
             root.__exit__()
@@ -403,40 +403,6 @@ class HPPSearch:
         if opt.symmetric:
             plan.search["symmetric"] = symmetric
         return plan.validate()
-
-    def _finish(self) -> dict:
-        """The symmetric phase, then the polish of the best groups (``polish_top``), each
-        adopted in that order where it is faster.  They read nothing the others change
-        but the caches and (the symmetric phase, the polish's last step) the best so far,
-        so with ``jobs`` > 1 they run spread over forked processes
-        (:func:`eth.planner.workers.parallel_map`) and are adopted here in the same order:
-        the same plan.  Returns the symmetric record for ``plan.search``."""
-        work = ([None] if self.opt.symmetric and not self._out_of_time() else []) + list(self._top)
-        evaluations = self.ev.evaluations
-
-        def run(item):
-            if self._out_of_time():
-                return Finished(item, 0)
-            before = self.ev.evaluations
-            if item is None:
-                with self.phases("symmetric", sticky=True):
-                    got = symmetric_phase(self)
-            else:
-                with self.phases("polish", sticky=True):
-                    got = polish(self, item, self.opt.polish_budget)
-            return Finished(got, self.ev.evaluations - before)
-
-        done = parallel_map(run, work, self.opt.jobs, portable=Finished.portable)
-        self.ev.evaluations = evaluations + sum(d.evaluations for d in done)
-        symmetric = {}
-        for item, d in zip(work, done):
-            if item is None:
-                symmetric = adopt(self, *d.value) if d.value is not None else {}
-                continue
-            better = lightest(self, d.value)
-            if better.iteration_ms < self.best.iteration_ms * (1 - 1e-9):
-                self.best = better
-        return symmetric
 
     def _mark_dp(self, p: int) -> None:
         if not self.stats.dp_triggered_at:
@@ -535,29 +501,6 @@ class HPPSearch:
             lead = (f"gbs {self.opt.gbs} cannot be split into local batches that are whole multiples "
                     f"of the pipelines' mbs for model {self.model.name}")
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
-
-
-@dataclass
-class Finished:
-    """One piece of :meth:`HPPSearch._finish` and the cost evaluations it took."""
-
-    value: object
-    evaluations: int
-
-    @staticmethod
-    def portable(done: "Finished") -> "Finished":
-        """What a worker process sends back: its candidates' plans and times (their
-        per-pipeline results hold the worker's evaluator; what follows reads neither)."""
-        v = done.value
-        if isinstance(v, Candidate):
-            v = _plan_only(v)
-        elif isinstance(v, tuple):      # the symmetric phase: (record, [(k, candidate)])
-            v = (v[0], [(k, _plan_only(c)) for k, c in v[1]])
-        return Finished(v, done.evaluations)
-
-
-def _plan_only(cand: Candidate) -> Candidate:
-    return Candidate(cand.plan, cand.iteration_ms, [])
 
 
 def alloc_key(results, batch: bool = True) -> tuple:
