@@ -59,13 +59,13 @@ def test_a_childs_error_is_raised_and_a_dead_childs_work_redone():
 def test_jobs_give_the_same_plans(monkeypatch):
     """One process and three: the same plans, symmetric record and seed outcome.  The
     cluster is test_symmetric's whose symmetric phase wins with 3 pipelines (then again
-    with every block size, the seeds and the polish).  The search's parallel_map leaves
+    with every block size, the seeds and the polish).  The search's parallel_map (eth.planner.finish) leaves
     every item to the children, so what they send back is what the plan is made of."""
     import functools
 
-    import eth.planner.search as search_module
+    import eth.planner.finish as finish_module
 
-    monkeypatch.setattr(search_module, "parallel_map", functools.partial(parallel_map, share=False))
+    monkeypatch.setattr(finish_module, "parallel_map", functools.partial(parallel_map, share=False))
     cluster = make_cluster([{"type": "A100", "devices_per_node": 6}, {"type": "V100", "devices_per_node": 6}],
                            **TIGHT)
     db = profiles_for(M8, cluster)
