@@ -59,11 +59,11 @@ def copy_collectives(src: Path, dst: Path) -> None:
 def _without_collectives(path: Path):
     """The profile at ``path`` without its measured collective tables (the cost model's
     alpha-beta collectives and one-process step time, as before they were measured)."""
-    from eth.profiles import DeviceProfile, ProfileDB, load_profile
+    from eth.profiles import load_profile
 
     data = dict(load_profile(path).data)
     data.pop("collectives", None)
-    return ProfileDB({data["device"]: DeviceProfile(data)})
+    return _db(data)
 
 
 def plan_shapes(plan) -> tuple[str, str]:
@@ -76,12 +76,19 @@ def plan_shapes(plan) -> tuple[str, str]:
 def _without_overheads(path: Path):
     """The profile at ``path`` without its entries' ``overhead_ms`` (the cost model as it
     was before the profiler measured the runtime's overheads)."""
-    from eth.profiles import DeviceProfile, ProfileDB, load_profile
+    from eth.profiles import load_profile
 
     data = json.loads(json.dumps(load_profile(path).data))
     for m in data["models"]:
         for e in m["entries"]:
             e.pop("overhead_ms", None)
+    return _db(data)
+
+
+def _db(data: dict):
+    """A ProfileDB of the one profile ``data``."""
+    from eth.profiles import DeviceProfile, ProfileDB
+
     return ProfileDB({data["device"]: DeviceProfile(data)})
 
 

@@ -86,9 +86,7 @@ def merge_profiles(old: dict, new: dict, where: str = "output") -> dict:
     shapes = {entry_shape(m["shape"]) for m in new["models"]}
     models = [m for m in old["models"] if entry_shape(m["shape"]) not in shapes]
     merged = dict(old, provenance=new["provenance"], models=models + new["models"])
-    colls = {k: dict(v) for k, v in (old.get("collectives") or {}).items()}
-    for kind, table in (new.get("collectives") or {}).items():
-        colls.setdefault(kind, {}).update(table)
+    colls = _merge_tables(old.get("collectives"), new.get("collectives"))
     if colls:
         merged["collectives"] = colls
     return merged
@@ -97,10 +95,17 @@ def merge_profiles(old: dict, new: dict, where: str = "output") -> dict:
 def add_collectives(old: dict, collectives: dict, provenance: dict) -> dict:
     """``old`` with ``collectives``' tables merged in (same kind and group size: replaced)
     and ``provenance`` filed as its provenance's "collectives"; its models unchanged."""
-    colls = {k: dict(v) for k, v in (old.get("collectives") or {}).items()}
-    for kind, table in collectives.items():
+    return dict(old, collectives=_merge_tables(old.get("collectives"), collectives),
+                provenance=dict(old.get("provenance") or {}, collectives=provenance))
+
+
+def _merge_tables(old: dict | None, new: dict | None) -> dict:
+    """Collective tables ``{kind: {"n": rows}}``: ``new``'s replace ``old``'s of the same
+    kind and group size, the others are kept."""
+    colls = {k: dict(v) for k, v in (old or {}).items()}
+    for kind, table in (new or {}).items():
         colls.setdefault(kind, {}).update(table)
-    return dict(old, collectives=colls, provenance=dict(old.get("provenance") or {}, collectives=provenance))
+    return colls
 
 
 # ----------------------------------------------------------------------------------
