@@ -70,6 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from predictor_composition import COMPOSITION_HEADER, composition_rows, iteration_from_compute  # noqa: E402
 from predictor_profiles import (  # noqa: E402
     _env, _without_collectives, _without_overheads, concurrency_line, copy_collectives, host_drift, loadavg,
     mean_prediction, plan_shapes, profile_collectives, profile_cpu)
@@ -235,8 +236,11 @@ class StepPhases:
 
     def __init__(self):
         self.seconds = {name: [] for name in PHASES}
+        self.compute = []
+        """This rank's compute seconds of each step (the schedule's ComputeClock)."""
 
-    def wrap(self, owner, attr: str, name: str):
+    def wrap(self, owner, attr: str, name: str, after=None):
+        """Time ``owner.attr`` under phase ``name``; ``after(args)`` runs after each call."""
         fn = getattr(owner, attr)
 
         def timed(*a, **k):
@@ -245,23 +249,29 @@ class StepPhases:
                 return fn(*a, **k)
             finally:
                 self.seconds[name].append(time.perf_counter() - t)
+                if after is not None:
+                    after(a)
 
         setattr(owner, attr, timed)
 
     def install(self, trainer):
         from megatron.hpp import grad_sync, schedule
 
-        self.wrap(schedule, "one_f_one_b", "schedule")    # Trainer.step imports them at call time
+        # Trainer.step imports them at call time; one_f_one_b's 6th argument is its ComputeClock
+        self.wrap(schedule, "one_f_one_b", "schedule", after=lambda a: self.compute.append(a[5].total_seconds()))
         self.wrap(grad_sync, "global_grad_norm", "grad norm")
         self.wrap(trainer.reducer, "finish", "grad sync finish")
         self.wrap(trainer.optimizer, "step", "optimizer")
 
     def medians_ms(self, first: int, steps_s: list) -> dict:
-        """Median ms of each phase over the steps from index ``first`` on, and of the rest."""
+        """Median ms of each phase over the steps from index ``first`` on, of the rest and
+        (when recorded) of this rank's compute ("compute")."""
         out = {n: statistics.median(v[first:]) * 1e3 if v[first:] else 0.0 for n, v in self.seconds.items()}
         rest = [t - sum(v[i] for v in self.seconds.values() if i < len(v))
                 for i, t in enumerate(steps_s) if i >= first]
         out["rest"] = statistics.median(rest) * 1e3
+        if self.compute[first:]:
+            out["compute"] = statistics.median(self.compute[first:]) * 1e3
         return out
 
 
@@ -442,7 +452,7 @@ def main(argv=None) -> int:
             conc_line, conc, fake_cmd = concurrency_line(profile, tmp)
             print(conc_line, flush=True)
 
-        rows, records, phase_table = [], [], []
+        rows, records, phase_table, composition_table = [], [], [], []
         for name in names:
             desc, build = CONFIGS[name]
             plan = build()
@@ -469,10 +479,13 @@ def main(argv=None) -> int:
                 drift = (host_drift(profile, before), host_drift(profile, after))
             rows += rows_for(name, desc, pred, meas, load, adj, drift)
             phase_table += phase_rows(name, pred, meas)
+            composed = iteration_from_compute(build(), ProfileDB.load(profile),
+                                              [ph["compute"] for ph in meas["phases_ms"]])
+            composition_table += composition_rows(name, pred, meas, composed)
             records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
                             "predicted_without_overheads": bare, "predicted_without_collectives": no_coll,
                             "predicted_adjacent": adj, "adjacent_profile": adj_cmd, "host_drift": drift,
-                            "loadavg": load})
+                            "predicted_from_run_compute": composed, "loadavg": load})
             print(rows[-1], flush=True)
     header = ["| config | what | iteration ms pred / meas (err) [adj.] | compute ms per pipeline pred / meas "
               "(err) [adj.] | drift | run spread | tensor MiB per rank pred / meas (err) | loadavg before -> after |",
@@ -494,6 +507,10 @@ def main(argv=None) -> int:
                 for r in records]
         summary += (f"\nwithout the measured collective tables (step all-reduces and p2p as before): iteration "
                     f"{min(nc_t):+.1%} .. {max(nc_t):+.1%}")
+    comp_t = [r["predicted_from_run_compute"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
+    summary += (f"\nfrom the run's own compute per stage (the composition alone, predictor_composition.py): "
+                f"iteration {min(comp_t):+.1%} .. {max(comp_t):+.1%}, within 10% on "
+                f"{sum(abs(e) <= 0.1 for e in comp_t)} of {len(comp_t)}")
     if not args.no_adjacent:
         adj_t = [r["predicted_adjacent"]["iteration_ms"] / r["measured"]["iteration_ms"] - 1 for r in records]
         adj_c = [p / m - 1 for r in records
@@ -527,6 +544,10 @@ def main(argv=None) -> int:
         "remainder of Trainer.step) next to what the cost model adds to that rank's Eq. 5 end time:", "",
         "| config | rank | " + " | ".join(PHASES) + " | rest | pred. optimizer | pred. rest of step |",
         "|---|---|" + "---|" * (len(PHASES) + 3), *phase_table, "",
+        "The cost model's composition alone: the same prediction with each stage's compute set to "
+        "what its slowest rank measured in the run (`predictor_composition.iteration_from_compute`; "
+        "the last column is measured / predicted compute of each stage, the op times' error):", "",
+        *COMPOSITION_HEADER, *composition_table, "",
         "Predicted: `eth.cost.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
         "slowest stage's forward + backward x micro-batches, without tp collectives and p2p, "
         "with the profile's measured runtime overheads (per layer, per stage call, per "

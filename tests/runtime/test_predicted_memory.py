@@ -5,7 +5,8 @@ Trainer construction and two steps, ``frees_on_all_threads`` included), as
 bench/predictor_accuracy.py measures it for its multi-rank table.  One process, an
 in-memory gloo store: deterministic, no timing.  Then the bench's pure parts: how repeated
 launches of one configuration are combined (``--runs``), the per-rank step breakdown
-(``StepPhases``) and its bad-input line."""
+(``StepPhases``), its bad-input line, and the composition check
+(``predictor_composition``: the cost model fed with the run's own compute)."""
 import gc
 import importlib.util
 from pathlib import Path
@@ -124,10 +125,70 @@ def test_step_phases_times_the_wrapped_calls_and_leaves_the_rest(bench):
     assert owner.work(1) == 2                      # the wrapped call still returns its result
     assert owner.work(2) == 3
     assert len(phases.seconds["optimizer"]) == 2 and min(phases.seconds["optimizer"]) >= 0.002
+    seen = []
+    phases.wrap(owner, "work", "grad norm", after=seen.append)   # called with the call's arguments
+    assert owner.work(5) == 6 and seen == [(5,)]
     phases.seconds = {"schedule": [0.010, 0.020], "grad sync finish": [0.001, 0.002], "grad norm": [0.0, 0.001],
                       "optimizer": [0.003, 0.004]}
+    phases.compute = [0.009, 0.015]
     got = phases.medians_ms(1, [0.020, 0.030])      # the first step is left out
     assert got["schedule"] == pytest.approx(20.0) and got["optimizer"] == pytest.approx(4.0)
+    assert got["compute"] == pytest.approx(15.0)    # not a phase: not taken off the rest
     assert got["rest"] == pytest.approx(30.0 - 20.0 - 2.0 - 1.0 - 4.0)
     row = bench.phase_rows("cfg", {"optimizer_ms": [0.5], "step_ms": [1.25]}, {"phases_ms": [got]})[0]
     assert row == "| cfg | r0 | 20.0 | 2.0 | 1.0 | 4.0 | 3.0 | 0.5 | 1.2 |"
+
+
+def _predicted_rank_compute(plan, db) -> list[float]:
+    """Each rank's compute of one step as the cost model predicts it (micro-batches x its
+    stage's forward + backward without tp collectives and p2p)."""
+    from eth.cost import CostModel
+
+    db.ensure(plan.model, plan.cluster.types.values())
+    cm = CostModel(plan.model, plan.cluster, db, plan.training)
+    compute = {}
+    for p in plan.pipelines:
+        for st, c in zip(p.stages, cm.pipeline_costs(p)):
+            for r in st.ranks:
+                compute[r] = p.lbs // p.mbs * (c.fwd_ms + c.bwd_ms - c.comm_ms)
+    return [compute[r] for r in sorted(compute)]
+
+
+def test_iteration_from_the_runs_compute_is_the_prediction_when_compute_is_as_predicted(bench):
+    import predictor_composition
+
+    from eth.profiles import ProfileDB
+
+    db = ProfileDB.load(REPO / "profiles/measured/cpu.json")
+    for name in ("het-3pipes", "demo", "pp2-rec"):
+        plan = bench.CONFIGS[name][1]()
+        got = predictor_composition.iteration_from_compute(plan, db, _predicted_rank_compute(plan, db))
+        assert got["iteration_ms"] == pytest.approx(bench.predict(plan, db)["iteration_ms"], rel=1e-12), name
+        assert [len(ks) for ks in got["scales"]] == [len(p.stages) for p in plan.pipelines]
+        assert all(k == pytest.approx(1.0) for ks in got["scales"] for k in ks)
+
+
+def test_iteration_from_the_runs_compute_moves_by_the_measured_compute(bench):
+    import predictor_composition
+
+    from eth.profiles import ProfileDB
+
+    db = ProfileDB.load(REPO / "profiles/measured/cpu.json")
+    plan = bench.CONFIGS["1st"][1]()        # one stage, tp 1: no p2p, no tp collectives
+    pred = bench.predict(plan, db)
+    got = predictor_composition.iteration_from_compute(plan, db, [300.0])
+    # Eq. 5 of one stage is all its compute; the optimizer and the rest of the step stay
+    assert got["iteration_ms"] == pytest.approx(300.0 + pred["iteration_ms"] - pred["compute_ms"][0])
+    assert got["scales"] == [[pytest.approx(300.0 / pred["compute_ms"][0])]]
+    # two stages, the second (cpu-b) the slower: it is on the critical path once in the
+    # fill, m - 1 times in the steady state and once in the drain, so the iteration grows
+    # by exactly what its rank's compute of the step grows by
+    plan = bench.CONFIGS["het-pp"][1]()
+    base = _predicted_rank_compute(plan, db)
+    assert base[1] > base[0]
+    before = bench.predict(plan, db)["iteration_ms"]
+    slower = predictor_composition.iteration_from_compute(plan, db, [base[0], base[1] + 50.0])
+    assert slower["iteration_ms"] == pytest.approx(before + 50.0)
+    # the faster first stage growing by less than the gap stays off the steady state
+    first = predictor_composition.iteration_from_compute(plan, db, [base[0] + 50.0, base[1]])
+    assert before < first["iteration_ms"] < before + 50.0 / 2
