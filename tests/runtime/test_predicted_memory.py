@@ -6,7 +6,8 @@ bench/predictor_accuracy.py measures it for its multi-rank table.  One process, 
 in-memory gloo store: deterministic, no timing.  Then the bench's pure parts: how repeated
 launches of one configuration are combined (``--runs``), the per-rank step breakdown
 (``StepPhases``), its bad-input line, and the composition check
-(``predictor_composition``: the cost model fed with the run's own compute)."""
+(``predictor_composition``: the cost model fed with the run's own compute), and
+bench/profile_repeatability.py's bad input and spread."""
 import gc
 import importlib.util
 from pathlib import Path
@@ -192,3 +193,13 @@ def test_iteration_from_the_runs_compute_moves_by_the_measured_compute(bench):
     # the faster first stage growing by less than the gap stays off the steady state
     first = predictor_composition.iteration_from_compute(plan, db, [base[0] + 50.0, base[1]])
     assert before < first["iteration_ms"] < before + 50.0 / 2
+
+
+def test_profile_repeatability_refuses_fewer_than_two_profiles_and_measures_spread(capsys):
+    spec = importlib.util.spec_from_file_location("profile_repeatability", REPO / "bench/profile_repeatability.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--times", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --times must be >= 2, --mbs >= 1, --tp 1 or 2, --repeats >= 1, got 1, 4, 1, 20")
+    assert module.spread_of([0.8, 1.0, 1.2]) == pytest.approx(0.4)
