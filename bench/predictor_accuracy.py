@@ -72,7 +72,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from predictor_composition import COMPOSITION_HEADER, composition_rows, iteration_from_compute  # noqa: E402
 from predictor_profiles import (  # noqa: E402
-    _env, _without_collectives, _without_overheads, concurrency_line, copy_collectives, host_drift, loadavg,
+    _env, _without_collectives, _without_overheads, commit, concurrency_line, copy_collectives, host_drift, loadavg,
     mean_prediction, plan_shapes, profile_collectives, profile_cpu)
 
 GBS = 16
@@ -392,17 +392,6 @@ def phase_rows(name, pred, meas) -> list[str]:
     return rows
 
 
-def _commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + (" (working tree has uncommitted changes)" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="measured cpu profile to use (default: measure one now)")
@@ -527,7 +516,7 @@ def main(argv=None) -> int:
                     f"{max(sp_c):.0%}")
     text = "\n".join([
         "# Predicted vs measured on this machine (bench/predictor_accuracy.py)", "",
-        f"command: `{command}`  ", f"commit: {_commit()}  ",
+        f"command: `{command}`  ", f"commit: {commit()}  ",
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, {time.time() - start:.0f} s, "
         f"{os.cpu_count()} CPUs  ", f"profile: `{prof_cmd}`  ",
         f"emulated types: cpu-a emulate_speed {SPEED_A}, cpu-b {SPEED_B}; tiny GPT, fp32, gbs {GBS}, "
@@ -574,7 +563,7 @@ def main(argv=None) -> int:
 
     atomic_write_text(out_dir / "predictor_accuracy.md", text)
     atomic_write_text(out_dir / "predictor_accuracy.json", json.dumps(
-        {"command": command, "commit": _commit(), "profile": prof_cmd, "concurrency": conc,
+        {"command": command, "commit": commit(), "profile": prof_cmd, "concurrency": conc,
          "concurrency_profile": fake_cmd, "configs": records}, indent=1) + "\n")
     print(summary)
     print(f"wrote {out_dir / 'predictor_accuracy.md'} and .json")

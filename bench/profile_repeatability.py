@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from predictor_profiles import host_drift, loadavg, profile_cpu  # noqa: E402
+from predictor_profiles import commit, host_drift, loadavg, profile_cpu  # noqa: E402
 
 
 def spread_of(values) -> float:
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     med = statistics.median(ratios)
     lines = [f"command: OMP_NUM_THREADS=1 python bench/profile_repeatability.py "
              f"{' '.join(argv if argv is not None else sys.argv[1:])}".rstrip(),
-             f"each: {cmd}", f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}", ""]
+             f"each: {cmd}", f"commit: {commit()}",
+             f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}", ""]
     for i, (row, r) in enumerate(zip(rows, ratios)):
         row["op_time_vs_median"] = r / med
         lines.append(f"profile {i + 1}: started at +{row['start_s']:.0f} s, op time / median {r / med:.3f}, "
