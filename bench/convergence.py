@@ -49,8 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence_report import (RUNS, compare, format_same, format_summary, loadavg, plot,  # noqa: E402
+from convergence_report import (RUNS, compare, format_same, format_summary, plot,  # noqa: E402
                                 steady_ms, write_csv, write_md)
+from run_context import loadavg  # noqa: E402
 
 LOSS_LINE = re.compile(r"^iteration (\d+)/(\d+) \| .*?\| loss (\S+) \|")
 TIME_FIELD = re.compile(r"\| time ([0-9.]+) ms")

@@ -10,8 +10,9 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 from pathlib import Path
+
+from run_context import commit
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = ("hpp", "uniform", "one-rank")
@@ -152,24 +153,6 @@ def shown(path) -> str:
         return str(path)
 
 
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return head + (" (with uncommitted changes in the tree)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def write_md(path: Path, results, cmp, same, model, plans, args, argv, load_before, load_after) -> None:
     from eth.fileio import atomic_write_text
     from eth.report import format_plan_table
@@ -185,7 +168,7 @@ def write_md(path: Path, results, cmp, same, model, plans, args, argv, load_befo
         "schedule under three plans (written by `bench/convergence.py`).",
         "",
         f"* command: `{cmd.strip()}`",
-        f"* commit: {git_commit()}",
+        f"* commit: {commit()}",
         f"* machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} "
         f"{platform.release()}; load average (1/5/15 min) {load_before} before, {load_after} after",
         f"* model: {model.name} {model.to_dict()}: {model.num_params():,} parameters",

@@ -72,8 +72,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from predictor_composition import COMPOSITION_HEADER, composition_rows, iteration_from_compute  # noqa: E402
 from predictor_profiles import (  # noqa: E402
-    _env, _without_collectives, _without_overheads, commit, concurrency_line, copy_collectives, host_drift, loadavg,
-    mean_prediction, plan_shapes, profile_collectives, profile_cpu)
+    _env, _without_collectives, _without_overheads, concurrency_line, copy_collectives, host_drift, mean_prediction,
+    plan_shapes, profile_collectives, profile_cpu)
+from run_context import commit, loadavg  # noqa: E402
 
 GBS = 16
 SPEED_A, SPEED_B = 0.25, 0.1   # emulated "fast" and "slow" CPU device types (2.5 : 1)

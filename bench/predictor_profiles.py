@@ -12,26 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from run_context import loadavg
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def commit() -> str:
-    """The checkout's short commit, noting uncommitted changes to tracked files."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + (" (working tree has uncommitted changes)" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def profile_cpu(path: Path, mbs="1,2,4,8,16", tp="1,2", repeats=20, real_tp=True) -> str:

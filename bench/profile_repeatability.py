@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from predictor_profiles import commit, host_drift, loadavg, profile_cpu  # noqa: E402
+from predictor_profiles import host_drift, profile_cpu  # noqa: E402
+from run_context import commit, loadavg  # noqa: E402
 
 
 def spread_of(values) -> float:
