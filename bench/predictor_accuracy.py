@@ -46,7 +46,12 @@
    * where each rank's step went (:class:`StepPhases`, medians): the 1F1B schedule, the
      gradient reducer's last collectives, the global norm, the optimizer step and the
      rest, next to the optimizer step and the rest of the step that the cost model adds
-     to that rank's Eq. 5 end time.
+     to that rank's Eq. 5 end time;
+   * the composition alone (``predictor_composition``): the iteration the cost model
+     predicts when each stage's compute is what its slowest rank measured in the run
+     (the schedule's ComputeClock per rank), its error, and measured / predicted compute
+     per stage: what the model gets wrong with the op times right, apart from the op
+     times' own error (the host's drift, bench/profile_repeatability.py).
 
 The emulated device types run at ``emulate_speed`` <= 0.25 so that all ranks' compute
 together needs at most about one core of the two, and sleeps (not contention) set the
