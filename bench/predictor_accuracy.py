@@ -451,7 +451,8 @@ def main(argv=None) -> int:
         for name in names:
             desc, build = CONFIGS[name]
             plan = build()
-            pred = predict(plan, ProfileDB.load(profile))
+            db = ProfileDB.load(profile)
+            pred = predict(plan, db)
             bare = predict(build(), _without_overheads(profile))
             no_coll = predict(build(), _without_collectives(profile))
             plan_path = tmp / f"{name}.json"
@@ -474,8 +475,7 @@ def main(argv=None) -> int:
                 drift = (host_drift(profile, before), host_drift(profile, after))
             rows += rows_for(name, desc, pred, meas, load, adj, drift)
             phase_table += phase_rows(name, pred, meas)
-            composed = iteration_from_compute(build(), ProfileDB.load(profile),
-                                              [ph["compute"] for ph in meas["phases_ms"]])
+            composed = iteration_from_compute(build(), db, [ph["compute"] for ph in meas["phases_ms"]])
             composition_table += composition_rows(name, pred, meas, composed)
             records.append({"name": name, "description": desc, "predicted": pred, "measured": meas,
                             "predicted_without_overheads": bare, "predicted_without_collectives": no_coll,

@@ -39,11 +39,10 @@ def _scaled(c, k: float):
 
 def iteration_from_compute(plan, db, rank_compute_ms) -> dict:
     """{"iteration_ms", "scales"}: the cost model's iteration time (as
-    ``CostModel.evaluate``: Eq. 5 end times with AR_i^j, plus each stage's optimizer step
-    and rest of the step, max over stages and pipelines) with every stage's compute set to
-    what its slowest rank measured (``rank_compute_ms[r]``: rank r's compute ms of one
-    step)."""
-    from eth.cost import CostModel, eq5_end_times
+    ``CostModel.evaluate``: max over pipelines and stages of ``CostModel.stage_end_ms``)
+    with every stage's compute set to what its slowest rank measured
+    (``rank_compute_ms[r]``: rank r's compute ms of one step)."""
+    from eth.cost import CostModel
 
     db.ensure(plan.model, plan.cluster.types.values())
     cm = CostModel(plan.model, plan.cluster, db, plan.training)
@@ -52,8 +51,7 @@ def iteration_from_compute(plan, db, rank_compute_ms) -> dict:
     scales = stage_scales(plan, costs, rank_compute_ms)
     iteration = 0.0
     for p, pcosts, ks, ar_p in zip(plan.pipelines, costs, scales, ar):
-        ends = eq5_end_times([_scaled(c, k) for c, k in zip(pcosts, ks)], p.lbs, p.mbs, ar_p)
-        ends = [e + cm.optimizer_ms(p.mbs, s) + cm.step_ms(p, s, plan.world_size) for e, s in zip(ends, p.stages)]
+        ends = cm.stage_end_ms(p, [_scaled(c, k) for c, k in zip(pcosts, ks)], ar_p, plan.world_size)
         iteration = max(iteration, max(ends))
     return {"iteration_ms": iteration, "scales": scales}
 

@@ -559,8 +559,7 @@ class CostModel(StageFloors):
         pipes = []
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
-            ends = eq5_end_times(costs, p.lbs, p.mbs, ar[i])
-            ends = [e + self.optimizer_ms(p.mbs, s) + self.step_ms(p, s, world) for e, s in zip(ends, p.stages)]
+            ends = self.stage_end_ms(p, costs, ar[i], world)
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):
@@ -568,6 +567,14 @@ class CostModel(StageFloors):
         iteration = max(pp["pipeline_ms"] for pp in pipes)
         feasible = all(c.fits for pp in pipes for c in pp["costs"])
         return {"iteration_ms": iteration, "feasible": feasible, "pipelines": pipes}
+
+    def stage_end_ms(self, pipeline, costs, ar_ms, world: int) -> list[float]:
+        """When each stage of ``pipeline`` ends its step: Eq. 5's end time from the stage
+        costs ``costs`` and AR_i^j ``ar_ms``, plus the stage's optimizer step and the rest
+        of the step over ``world`` ranks."""
+        ends = eq5_end_times(costs, pipeline.lbs, pipeline.mbs, ar_ms)
+        return [e + self.optimizer_ms(pipeline.mbs, s) + self.step_ms(pipeline, s, world)
+                for e, s in zip(ends, pipeline.stages)]
 
     def _exact_state_memory(self, plan, pipes) -> None:
         """ZeRO: replace each stage's model-state estimate (N = its dp) by the largest
