@@ -12,7 +12,7 @@ import sys
 
 
 def parse_args(argv=None):
-    from megatron.hpp.datasets import DEFAULT_SPLIT
+    from megatron.hpp.data.datasets import DEFAULT_SPLIT
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hpp-plan", required=True, help="plan JSON (tools/search_hpp.py output)")
@@ -77,7 +77,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     from eth.errors import SpecError
-    from megatron.hpp.training import TrainConfig, run
+    from megatron.hpp.training.loop import TrainConfig, run
 
     args = parse_args(argv)
     try:

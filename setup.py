@@ -12,11 +12,11 @@ PACKAGES = (find_packages(include=["eth", "eth.*"])
             + ["megatron.hpp"] + [f"megatron.hpp.{p}" for p in find_packages("megatron/hpp")])
 
 CLI = {
-    "hpp-search": "eth.cli_search:main",        # tools/search_hpp.py
-    "hpp-show": "eth.cli_show:main",            # tools/show_plan.py
-    "hpp-profiles": "eth.cli_profiles:main",    # tools/make_profiles.py
-    "hpp-profile": "megatron.hpp.cli_profile:main",        # tools/profile_ops.py
-    "hpp-preprocess": "megatron.hpp.cli_preprocess:main",  # tools/preprocess_data.py
+    "hpp-search": "eth.cli.search_hpp:main",        # tools/search_hpp.py
+    "hpp-show": "eth.cli.show_plan:main",            # tools/show_plan.py
+    "hpp-profiles": "eth.cli.make_profiles:main",    # tools/make_profiles.py
+    "hpp-profile": "megatron.hpp.cli.profile_ops:main",        # tools/profile_ops.py
+    "hpp-preprocess": "megatron.hpp.cli.preprocess_data:main",  # tools/preprocess_data.py
 }
 
 setup(

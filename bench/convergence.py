@@ -20,7 +20,7 @@ runs; the model is a preset with ``--set FIELD=VALUE`` overrides of its ModelSpe
 which search_hpp.py has no flag for); training is ``pretrain_gpt.py`` itself, under
 ``torchrun --standalone`` for several ranks and plain ``python`` for one rank, with
 ``--log-interval 1``: the per-iteration losses are read from rank 0's metric lines
-(``megatron/hpp/metrics.py``: ``iteration i/N | ... | loss X | ...``).
+(``megatron/hpp/training/metrics.py``: ``iteration i/N | ... | loss X | ...``).
 
 Prints the mean training loss of each run over the last ``--window`` iterations, the
 validation loss after the last iteration (``--eval-iters`` global batches of the
@@ -71,7 +71,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="model preset (eth.model.PRESETS)")
+    p.add_argument("--model", default="tiny-llama", help="model preset (eth.spec.model.PRESETS)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelSpec field of the preset (repeatable), e.g. hidden=192")
     p.add_argument("--cluster", default=str(REPO / "examples/clusters/cpu-demo.yaml"),
@@ -153,7 +153,7 @@ def parse_sets(sets) -> dict:
     import yaml
     from dataclasses import fields
 
-    from eth.model import ModelSpec
+    from eth.spec.model import ModelSpec
 
     known = {f.name for f in fields(ModelSpec)} - {"name"}
     out = {}
@@ -174,7 +174,7 @@ def parse_sets(sets) -> dict:
 def build_model(name: str, sets):
     """The preset with the overrides (validated by ModelSpec itself)."""
     from eth.errors import SpecError
-    from eth.model import get_model
+    from eth.spec.model import get_model
 
     overrides = parse_sets(sets)
     try:
@@ -206,12 +206,12 @@ def one_rank_cluster(cluster, path: Path) -> None:
 def make_plan(model, cluster_path, gbs: int, strategy: str, precision: str, out: Path, profiles=None):
     """Search a plan (tools/search_hpp.py's steps: the profiles, analytic ones for the
     device types they lack, ``eth.planner.search.search``) and save it to ``out``."""
-    from eth.cluster import load_cluster
+    from eth.spec.cluster import load_cluster
     from eth.errors import SpecError
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
-    from eth.precision import TrainSetup
-    from eth.profiles import ProfileDB
+    from eth.spec.precision import TrainSetup
+    from eth.profiles.db import ProfileDB
 
     try:
         cluster = load_cluster(cluster_path)

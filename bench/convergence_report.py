@@ -155,7 +155,7 @@ def shown(path) -> str:
 
 def write_md(path: Path, results, cmp, same, model, plans, args, argv, load_before, load_after) -> None:
     from eth.fileio import atomic_write_text
-    from eth.report import format_plan_table
+    from eth.report.tables import format_plan_table
 
     n, w = args.iters, args.window
     cmd = "python bench/convergence.py " + shlex.join(argv)

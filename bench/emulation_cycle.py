@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     spec = importlib.util.spec_from_file_location("predictor_accuracy", ROOT / "bench/predictor_accuracy.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from megatron.hpp.training import Trainer, TrainConfig, prepare
+    from megatron.hpp.training.loop import Trainer, TrainConfig, prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")

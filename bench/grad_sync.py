@@ -11,10 +11,10 @@ ranks sends 2 B (N - 1) / N), gradient-buffer memory per rank and its excess ove
 the rank's own gradients (padding), the time of the reduction alone (every buffer
 reduced once, median over repeats, slowest rank), and the iteration time.
 
-Count-only mode builds ``eth.blocks.GradLayout`` of a plan file for each strategy
+Count-only mode builds ``eth.layout.blocks.GradLayout`` of a plan file for each strategy
 (no processes, no torch) and prints the same counts plus the alpha-beta time of the
 collectives run one after another on each rank's slowest link; then the model-state
-bytes per rank under ZeRO 0/1/2 in bf16 (``eth.sync_cost.rank_state_bytes``) and the
+bytes per rank under ZeRO 0/1/2 in bf16 (``eth.cost.sync.rank_state_bytes``) and the
 cost model's largest stage memory (activations included) against capacity.
 """
 from __future__ import annotations
@@ -44,9 +44,9 @@ def sent_bytes(ranks, nbytes, zero: int) -> float:
 
 def count_layout(plan, strategy: str, setup, bucket_numel: int) -> dict:
     """Per-rank collectives, sent bytes, gradient-buffer bytes and alpha-beta time."""
-    from eth.blocks import GradLayout
-    from eth.profiles import collective_ms
-    from eth.sync_cost import rank_state_bytes
+    from eth.layout.blocks import GradLayout
+    from eth.profiles.db import collective_ms
+    from eth.cost.sync import rank_state_bytes
 
     layout = GradLayout(plan, strategy, bucket_numel)
     own = {r: v["weights"] // setup.weight_bytes * setup.grad_bytes
@@ -88,8 +88,8 @@ def _ratio(a, b) -> str:
 
 
 def count_only(path: str, bucket_numel: int) -> int:
-    from eth.plan import load_plan
-    from eth.precision import TrainSetup
+    from eth.spec.plan import load_plan
+    from eth.spec.precision import TrainSetup
 
     plan = load_plan(path)
     setup = TrainSetup("bf16", 0, "fp32")
@@ -109,10 +109,10 @@ def count_only(path: str, bucket_numel: int) -> int:
 
 def memory_table(plan) -> None:
     """Model-state bytes per rank and the cost model's stage memory under ZeRO 0/1/2, bf16."""
-    from eth.cost import CostModel
-    from eth.precision import TrainSetup
-    from eth.profiles import ProfileDB
-    from eth.sync_cost import rank_state_bytes
+    from eth.cost.model import CostModel
+    from eth.spec.precision import TrainSetup
+    from eth.profiles.db import ProfileDB
+    from eth.cost.sync import rank_state_bytes
 
     db = ProfileDB()
     db.ensure(plan.model, plan.cluster.types.values())
@@ -138,9 +138,9 @@ def memory_table(plan) -> None:
 
 # ---------------------------------------------------------------- gloo runs
 def bench_plans():
-    from eth.cluster import Cluster
-    from eth.model import get_model
-    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.spec.cluster import Cluster
+    from eth.spec.model import get_model
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
     model = get_model("small")
 
@@ -168,9 +168,9 @@ def worker(plan_path: str, out: str, steps: int, repeats: int) -> None:
     quiet_megatron_warnings()
     import torch.distributed as dist
 
-    from eth.plan import load_plan
-    from megatron.hpp.topology import check_plan
-    from megatron.hpp.training import TrainConfig, Trainer
+    from eth.spec.plan import load_plan
+    from megatron.hpp.parallel.topology import check_plan
+    from megatron.hpp.training.loop import TrainConfig, Trainer
 
     rank, result = int(os.environ["RANK"]), {}
     for strategy in STRATEGIES:
@@ -258,6 +258,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from eth.cli import run_main
+    from eth.cli.common import run_main
 
     sys.exit(main() if sys.argv[1:2] == ["--worker"] else run_main(main))

@@ -57,7 +57,7 @@ def context() -> str:
 def table_cases(baselines, time_limit: float):
     import paper_eval as pe
     from eth.errors import InfeasibleError
-    from eth.model import get_model
+    from eth.spec.model import get_model
     from eth.planner.baselines import plan_baseline
     from eth.planner.baselines.common import BaselineOptions
     from eth.planner.options import SearchOptions

@@ -11,7 +11,7 @@ hexiscale-strong (on HPP's balancer, Mbs search and recompute), typesplit
 (eth.planner.baselines) -- plans the iteration
 from the same profiles (the shipped analytic ones in profiles/, extended by
 ProfileDB.ensure for other sequence lengths) and the same CostModel; each plan is then
-played by the event simulator (eth.simulate).  Written to --out (bench/results/):
+played by the event simulator (eth.report.simulate).  Written to --out (bench/results/):
 
     table2.csv, sweep_devices.csv, sweep_gbs.csv, sweep_seq.csv   one row per (case, strategy)
     paper_eval.md                                                 tables built from the CSVs
@@ -24,8 +24,8 @@ played by the event simulator (eth.simulate).  Written to --out (bench/results/)
 Columns: pred_ms = Eq. 5 + Eq. 6 (CostModel.evaluate), sim_ms = simulated iteration
 (incl. the optimizer step, which Eq. 5 leaves out), search_s = planner wall time,
 ideal_ms = training FLOPs of the iteration / sum over devices of peak x
-eth.profiles.GEMM_EFFICIENCY, where the FLOPs are the sum over all ops of
-eth.model.op_shapes (forward + backward = 3 x forward, no recompute) x gbs;
+eth.profiles.db.GEMM_EFFICIENCY, where the FLOPs are the sum over all ops of
+eth.spec.model.op_shapes (forward + backward = 3 x forward, no recompute) x gbs;
 efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
 "infeasible" (the paper's OOM).
 
@@ -79,7 +79,7 @@ TABLE3_PLANS = MappingProxyType({
 
 def table3_plan(strategy: str, model, cluster):
     """The paper's Table 3 plan of ``strategy`` on ``cluster`` (ranks in cluster order per type)."""
-    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
     free: dict[str, list[int]] = {}
     for d in cluster.devices:
         free.setdefault(d.type, []).append(d.rank)
@@ -109,13 +109,13 @@ class Variant:
 
     @property
     def setup(self):
-        from eth.precision import TrainSetup
+        from eth.spec.precision import TrainSetup
         return TrainSetup("bf16", self.zero_stage, self.grad_reduce)
 
     def apply(self, model, cluster, db):
         """(cluster, profiles) of this variant; the inputs are not changed."""
-        from eth.cluster import Cluster
-        from eth.profiles import SHAPE_DEFAULTS, SHAPE_FIELDS, DeviceProfile, ProfileDB, shape_key
+        from eth.spec.cluster import Cluster
+        from eth.profiles.db import SHAPE_DEFAULTS, SHAPE_FIELDS, DeviceProfile, ProfileDB, shape_key
         if self.act_scale == 1.0 and self.slow_speed == 1.0:
             return cluster, db
         slow = min(cluster.types, key=lambda t: cluster.types[t].tflops)
@@ -151,7 +151,7 @@ SENSITIVITY = (
     Variant("910B4 speed x1.5", slow_speed=1.5),
 )
 """The sensitivity table's variations of GPT-3 13B on b2b4-64 (gbs 1024, seq 2048).  GEMM
-efficiency is not varied: eth/gemm_efficiency.py has a fitted size-dependent curve only
+efficiency is not varied: eth/profiles/gemm_efficiency.py has a fitted size-dependent curve only
 for the CPU; 910B2/910B4 keep one constant factor, and scaling it scales both types alike
 (= x speed on both)."""
 SENSITIVITY_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
@@ -162,9 +162,9 @@ TABLE3_CASE = ("gpt3-13b", "b2b4", 64, 1024, 2048)
 
 def run_table3(mc, cache: ProfileCache, save_dir: Path | None = None) -> list[Row]:
     """Rows for the paper's Table 3 plans: status "infeasible" = over memory in our model."""
-    from eth.cost import CostModel
-    from eth.model import get_model
-    from eth.simulate import simulate
+    from eth.cost.model import CostModel
+    from eth.spec.model import get_model
+    from eth.report.simulate import simulate
     case = Case("table3", "gpt3-13b", "b2b4", 64, 1024, 2048)
     model, cluster = get_model(case.model), cluster_for(case, mc)
     cost = CostModel(model, cluster, cache.for_problem(model, cluster))
@@ -205,7 +205,7 @@ class ProfileCache:
     """The shipped profiles, loaded once per process; missing shapes added analytically."""
 
     def __init__(self, path: Path):
-        from eth.profiles import ProfileDB
+        from eth.profiles.db import ProfileDB
         self.db = ProfileDB.load(path)
         self.added: set[str] = set()
 
@@ -224,7 +224,7 @@ def make_clusters_module():
 
 
 def cluster_for(case: Case, mc):
-    from eth.cluster import Cluster, load_cluster
+    from eth.spec.cluster import Cluster, load_cluster
     path = ROOT / "examples" / "clusters" / f"{case.pair}-{case.devices}.yaml"
     if path.exists():
         return load_cluster(path)
@@ -235,8 +235,8 @@ def cluster_for(case: Case, mc):
 
 def ideal_ms(model, cluster, gbs: int) -> float:
     """Training FLOPs of one iteration / aggregate analytic GEMM throughput (see module doc)."""
-    from eth.model import layer_ops, op_shapes, post_ops, pre_ops
-    from eth.profiles import GEMM_EFFICIENCY
+    from eth.spec.model import layer_ops, op_shapes, post_ops, pre_ops
+    from eth.profiles.db import GEMM_EFFICIENCY
     ops = op_shapes(model, 1, 1)
     per_sample = sum(ops[o].flops_fwd + ops[o].flops_bwd for o in layer_ops(model)) * model.num_layers
     per_sample += sum(ops[o].flops_fwd + ops[o].flops_bwd for o in pre_ops(model) + post_ops(model))
@@ -248,14 +248,14 @@ def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies,
              save_dir: Path | None = None, variant=None) -> list[Row]:
     """Every strategy on one problem; ``variant`` (a :class:`Variant`) changes the training
     setup, the profiles or the cluster (the sensitivity table)."""
-    from eth.cost import CostModel
+    from eth.cost.model import CostModel
     from eth.errors import InfeasibleError, SpecError
-    from eth.model import get_model
+    from eth.spec.model import get_model
     from eth.planner.baselines import BaselineOptions, plan_baseline
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
-    from eth.precision import TrainSetup
-    from eth.simulate import simulate
+    from eth.spec.precision import TrainSetup
+    from eth.report.simulate import simulate
 
     model = get_model(case.model, seq_len=case.seq)
     cluster = cluster_for(case, mc)

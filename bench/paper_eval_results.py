@@ -240,7 +240,7 @@ def write_report(out: Path) -> None:
           "(ProfileDB.ensure for other sequence lengths); times are predictions of this "
           "repository's cost model and simulator, not measurements.",
           "", "Efficiency = ideal time / simulated time; ideal time = sum over all ops of "
-          "eth.model.op_shapes FLOPs x 3 (forward + backward, no recompute) x gbs / "
+          "eth.spec.model.op_shapes FLOPs x 3 (forward + backward, no recompute) x gbs / "
           "(sum over devices of peak TFLOPS x GEMM_EFFICIENCY 0.6)."]
     if "table2" in tables:
         md += ["", "## Table 2 models and scales (gbs 1024, seq 2048)", "",

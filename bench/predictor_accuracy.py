@@ -12,10 +12,10 @@
    them (the summary also gives the error without them, as before).
 2. Builds the configurations of :data:`CONFIGS` (tiny GPT, fp32, gbs 16; homogeneous
    and heterogeneous through ``emulate_speed``, 1-3 pipelines, tp and dp stages, with
-   and without recompute; and the README main job's plan), predicts each with ``eth.cost.CostModel`` from that profile
-   (emulated types: the ``cpu`` profile / speed, ``eth.profiles.emulated_profile``), and
+   and without recompute; and the README main job's plan), predicts each with ``eth.cost.model.CostModel`` from that profile
+   (emulated types: the ``cpu`` profile / speed, ``eth.profiles.db.emulated_profile``), and
    runs it under torchrun on gloo (one launch per configuration, this file's
-   ``--worker`` mode: ``megatron.hpp.training.Trainer``, synthetic data).
+   ``--worker`` mode: ``megatron.hpp.training.loop.Trainer``, synthetic data).
    Right before and right after each run it profiles the plan's (mbs, tp) again
    (``--repeats 20``; ``--no-adjacent`` skips it) and predicts from the mean of the two
    too: the host's speed drifts by tens of percent within minutes, and a profile taken
@@ -89,7 +89,7 @@ ADJ_REPEATS = 20   # rounds of the quick re-profile right before each run
 
 def _cluster(groups, name):
     """groups: [(type, ranks)] -> cluster dict, one node per group."""
-    from eth.cluster import Cluster
+    from eth.spec.cluster import Cluster
 
     return Cluster.from_dict({
         "name": name, "inter_node_gbps": 10,
@@ -100,9 +100,9 @@ def _cluster(groups, name):
 
 def _plan(name, groups, pipelines, zero_stage=0):
     """pipelines: [(mbs, lbs, [(ranks, type, tp, dp, (l0, l1), recompute)])]."""
-    from eth.model import get_model
-    from eth.plan import PipelinePlan, Plan, StagePlan
-    from eth.precision import TrainSetup
+    from eth.spec.model import get_model
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
+    from eth.spec.precision import TrainSetup
 
     pipes = [PipelinePlan(mbs, lbs, [StagePlan(list(r), t, tp, dp, tuple(layers), dict(rec))
                                      for r, t, tp, dp, layers, rec in stages])
@@ -143,7 +143,7 @@ CONFIGS = {
 
 
 def _demo_plan():
-    from eth.plan import load_plan
+    from eth.spec.plan import load_plan
 
     return load_plan(ROOT / "examples" / "plans" / "cpu-demo.json")
 
@@ -155,7 +155,7 @@ def predict(plan, db) -> dict:
     """Iteration ms (Eq. 5), per-pipeline compute ms, per-rank memory bytes (without
     reserved) and, per rank, the optimizer step and the rest of the step the cost model adds
     after Eq. 5 (``CostModel.optimizer_ms``, ``step_ms``)."""
-    from eth.cost import CostModel
+    from eth.cost.model import CostModel
 
     db.ensure(plan.model, plan.cluster.types.values())
     cm = CostModel(plan.model, plan.cluster, db, plan.training)
@@ -261,7 +261,8 @@ class StepPhases:
         setattr(owner, attr, timed)
 
     def install(self, trainer):
-        from megatron.hpp import grad_sync, schedule
+        from megatron.hpp.distributed import grad_sync
+        from megatron.hpp.parallel import schedule
 
         # Trainer.step imports them at call time; one_f_one_b's 6th argument is its ComputeClock
         self.wrap(schedule, "one_f_one_b", "schedule", after=lambda a: self.compute.append(a[5].total_seconds()))
@@ -286,7 +287,7 @@ def worker(args) -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron.hpp.training import Trainer, TrainConfig, prepare
+    from megatron.hpp.training.loop import Trainer, TrainConfig, prepare
 
     total = args.warmup + args.iters
     cfg = TrainConfig(plan=args.worker, train_iters=total, log_interval=total)
@@ -419,7 +420,7 @@ def main(argv=None) -> int:
         print(f"error: --warmup must be >= 2 (memory is measured over the first 2 iterations), "
               f"--iters >= 1 and --runs >= 1, got {args.warmup}, {args.iters}, {args.runs}", file=sys.stderr)
         return 2
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
 
     names = list(CONFIGS) if not args.only else [n.strip() for n in args.only.split(",")]
     bad = [n for n in names if n not in CONFIGS]
@@ -543,7 +544,7 @@ def main(argv=None) -> int:
         "what its slowest rank measured in the run (`predictor_composition.iteration_from_compute`; "
         "the last column is measured / predicted compute of each stage, the op times' error):", "",
         *COMPOSITION_HEADER, *composition_table, "",
-        "Predicted: `eth.cost.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
+        "Predicted: `eth.cost.model.CostModel` from the profile (Eq. 5 iteration; per pipeline the "
         "slowest stage's forward + backward x micro-batches, without tp collectives and p2p, "
         "with the profile's measured runtime overheads (per layer, per stage call, per "
         "checkpoint, for emulated types the wake-up after each emulation sleep; in the "

@@ -42,7 +42,7 @@ def iteration_from_compute(plan, db, rank_compute_ms) -> dict:
     ``CostModel.evaluate``: max over pipelines and stages of ``CostModel.stage_end_ms``)
     with every stage's compute set to what its slowest rank measured
     (``rank_compute_ms[r]``: rank r's compute ms of one step)."""
-    from eth.cost import CostModel
+    from eth.cost.model import CostModel
 
     db.ensure(plan.model, plan.cluster.types.values())
     cm = CostModel(plan.model, plan.cluster, db, plan.training)

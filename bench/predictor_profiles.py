@@ -44,7 +44,7 @@ def profile_collectives(path: Path, world: int, repeats=20) -> str:
 def copy_collectives(src: Path, dst: Path) -> None:
     """The collective tables of profile ``src`` into profile ``dst`` (the adjacent op
     profiles get the start profile's: they re-measure the ops only)."""
-    from eth.profiles import save_profile
+    from eth.profiles.db import save_profile
 
     tables = json.loads(src.read_text()).get("collectives")
     if tables:
@@ -54,7 +54,7 @@ def copy_collectives(src: Path, dst: Path) -> None:
 def _without_collectives(path: Path):
     """The profile at ``path`` without its measured collective tables (the cost model's
     alpha-beta collectives and one-process step time, as before they were measured)."""
-    from eth.profiles import load_profile
+    from eth.profiles.db import load_profile
 
     data = dict(load_profile(path).data)
     data.pop("collectives", None)
@@ -71,7 +71,7 @@ def plan_shapes(plan) -> tuple[str, str]:
 def _without_overheads(path: Path):
     """The profile at ``path`` without its entries' ``overhead_ms`` (the cost model as it
     was before the profiler measured the runtime's overheads)."""
-    from eth.profiles import load_profile
+    from eth.profiles.db import load_profile
 
     data = json.loads(json.dumps(load_profile(path).data))
     for m in data["models"]:
@@ -82,7 +82,7 @@ def _without_overheads(path: Path):
 
 def _db(data: dict):
     """A ProfileDB of the one profile ``data``."""
-    from eth.profiles import DeviceProfile, ProfileDB
+    from eth.profiles.db import DeviceProfile, ProfileDB
 
     return ProfileDB({data["device"]: DeviceProfile(data)})
 
@@ -91,8 +91,8 @@ def host_drift(start: Path, adjacent: Path) -> float:
     """Host speed change between the two cpu profiles: the adjacent profile's op times
     (fwd + bwd, summed over the ops of every (mbs, tp) entry it has) / the start profile's
     at the same entries (> 1: the host computes more slowly now)."""
-    from eth.model import get_model
-    from eth.profiles import ProfileDB
+    from eth.spec.model import get_model
+    from eth.profiles.db import ProfileDB
 
     model = get_model("tiny")
     a, b = ProfileDB.load(start).get("cpu"), ProfileDB.load(adjacent).get("cpu")
@@ -124,8 +124,8 @@ def concurrency_ratios(real: Path, fake: Path, mbs: int) -> dict:
     computing at once, one per core, on a real gloo group) / a fake-group profile (one
     process): over :data:`LOCAL_OPS` the slowdown of compute when the other core computes
     too (no communication in them), over :data:`COMM_OPS` that and the tp collectives."""
-    from eth.model import get_model
-    from eth.profiles import ProfileDB
+    from eth.spec.model import get_model
+    from eth.profiles.db import ProfileDB
 
     model = get_model("tiny")
     r, f = (ProfileDB.load(p).get("cpu").layer_costs(model, mbs, 2)[0] for p in (real, fake))

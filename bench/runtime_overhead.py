@@ -6,7 +6,7 @@ World size 1 (gloo, CPU; CUDA if present).  Both sides run the same shape of GPT
 (learned positions, untied head, fp32, dropout 0) over the same number of
 micro-batches, then global-norm clipping and torch AdamW:
 
-* ours: megatron.hpp.training.Trainer.step on a one-pipeline, one-stage plan;
+* ours: megatron.hpp.training.loop.Trainer.step on a one-pipeline, one-stage plan;
 * megatron: GPTModel(local layer spec) driven by forward_backward_no_pipelining,
   with megatron's CUDA calls redirected by megatron.hpp.compat.cuda_calls_on_cpu.
 
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def one_stage_plan(model_name: str, gbs: int, mbs: int):
-    from eth.cluster import Cluster
-    from eth.model import get_model
-    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.spec.cluster import Cluster
+    from eth.spec.model import get_model
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
     cluster = Cluster.from_dict({"name": "one", "inter_node_gbps": 100,
                                  "nodes": [{"type": "A100", "devices_per_node": 1}]})
@@ -50,7 +50,7 @@ def build_megatron(spec, gbs: int, mbs: int, seed: int):
     from megatron.core.transformer import TransformerConfig
 
     from megatron.hpp.compat import cuda_calls_on_cpu, tp_group_globals
-    from megatron.hpp.data import SyntheticData, batch
+    from megatron.hpp.data.batches import SyntheticData, batch
 
     from megatron.core import parallel_state
 
@@ -98,7 +98,7 @@ def build_megatron(spec, gbs: int, mbs: int, seed: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", help="eth.model preset (default: small)")
+    parser.add_argument("--model", default="small", help="eth.spec.model preset (default: small)")
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     import torch.distributed as dist
 
-    from megatron.hpp.topology import check_plan
-    from megatron.hpp.training import Trainer, TrainConfig
+    from megatron.hpp.parallel.topology import check_plan
+    from megatron.hpp.training.loop import Trainer, TrainConfig
 
     plan = one_stage_plan(args.model, args.gbs, args.mbs)
     with tempfile.TemporaryDirectory() as tmp:

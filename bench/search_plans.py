@@ -32,12 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "planner")]
 
-from eth.cost import CostModel  # noqa: E402
+from eth.cost.model import CostModel  # noqa: E402
 from eth.errors import InfeasibleError  # noqa: E402
-from eth.model import get_model  # noqa: E402
+from eth.spec.model import get_model  # noqa: E402
 from eth.planner.options import SearchOptions  # noqa: E402
 from eth.planner.search import search  # noqa: E402
-from eth.profiles import ProfileDB  # noqa: E402
+from eth.profiles.db import ProfileDB  # noqa: E402
 
 
 def digest(plan) -> str:

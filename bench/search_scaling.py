@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))   # the planner of this checkout, not an installed
 
 
 def b2b4(devices: int):
-    from eth.cluster import Cluster
+    from eth.spec.cluster import Cluster
     nodes = devices // 16
     return Cluster.from_dict({"name": f"b2b4-{devices}", "inter_node_gbps": 200, "inter_type_gbps": 100,
                               "nodes": [{"type": "910B2", "devices_per_node": 8, "count": nodes},
@@ -43,10 +43,10 @@ def b2b4(devices: int):
 
 def run(model_name: str, devices: int, gbs: int, limit: float, **switches) -> dict:
     from eth.errors import InfeasibleError
-    from eth.model import get_model
+    from eth.spec.model import get_model
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
     model, cluster = get_model(model_name), b2b4(devices)
     db = ProfileDB()
     db.ensure(model, cluster.types.values())
@@ -73,8 +73,8 @@ def fmt_phases(r) -> str:
 
 def tiny_cases():
     """Small clusters and a 4-layer model whose brute force finishes."""
-    from eth.cluster import Cluster
-    from eth.model import ModelSpec
+    from eth.spec.cluster import Cluster
+    from eth.spec.model import ModelSpec
     m4 = ModelSpec("m4", num_layers=4, hidden=1024, heads=8, seq_len=512, vocab=8192)
     for nodes, gbs in (([("A100", 2), ("RTX3090", 2)], 16), ([("A100", 1), ("V100", 2)], 8),
                        ([("A100", 2), ("RTX3090", 1), ("V100", 1)], 8)):
@@ -86,7 +86,7 @@ def tiny_cases():
 def run_tiny(model, cluster, gbs, **switches):
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
     db = ProfileDB()
     db.ensure(model, cluster.types.values())
     cpu = time.process_time()
@@ -96,7 +96,7 @@ def run_tiny(model, cluster, gbs, **switches):
 
 def brute(model, cluster, gbs):
     from eth.planner.bruteforce import brute_force
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
     db = ProfileDB()
     db.ensure(model, cluster.types.values())
     cpu = time.process_time()

@@ -28,9 +28,9 @@ def _step(loss, ms):
 def _log(interval, losses, times_ms, valid=None, start=0, total=None):
     """Rank 0's stdout as pretrain_gpt.py prints it: the metrics logger's lines (and the
     evaluation's), with other lines around them."""
-    from eth.plan import load_plan
-    from megatron.hpp.evaluation import eval_line
-    from megatron.hpp.metrics import MetricsLogger
+    from eth.spec.plan import load_plan
+    from megatron.hpp.training.evaluation import eval_line
+    from megatron.hpp.training.metrics import MetricsLogger
 
     plan = load_plan(REPO / "examples/plans/cpu-demo.json")
     lines = ["training tiny with 2 pipeline(s) on 4 ranks (gloo) | ..."]
@@ -101,7 +101,7 @@ def test_bad_arguments_one_line_exit_2(bench, capsys, tmp_path, argv, words):
 
 
 def test_one_rank_cluster_keeps_the_first_type_without_emulation(bench, tmp_path):
-    from eth.cluster import load_cluster
+    from eth.spec.cluster import load_cluster
 
     demo = load_cluster(REPO / "examples/clusters/cpu-demo.yaml")
     bench.one_rank_cluster(REPO / "examples/clusters/cpu-demo.yaml", tmp_path / "one.yaml")

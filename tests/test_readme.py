@@ -59,7 +59,7 @@ def test_every_command_exists_and_takes_its_flags(commands):
 
 
 def test_training_command_matches_its_plan(commands):
-    from eth.cluster import load_cluster
+    from eth.spec.cluster import load_cluster
 
     runs = [c for c in commands if c[0] == "torchrun"]
     assert runs

@@ -1,4 +1,4 @@
-"""tools/show_plan.py and the text/PNG views behind it (eth/report.py, eth/gantt.py)."""
+"""tools/show_plan.py and the text/PNG views behind it (eth/report/tables.py, eth/report/gantt.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from eth.cli import run_main
-from eth.cluster import Cluster
-from eth.cost import CostModel
-from eth.model import get_model
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.profiles import ProfileDB, analytic_profile, save_profile
-from eth.report import format_plan_table, format_ranks, format_recompute, format_sim_summary
-from eth.simulate import simulate
+from eth.cli.common import run_main
+from eth.spec.cluster import Cluster
+from eth.cost.model import CostModel
+from eth.spec.model import get_model
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.profiles.db import ProfileDB, analytic_profile, save_profile
+from eth.report.tables import format_plan_table, format_ranks, format_recompute, format_sim_summary
+from eth.report.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "show_plan.py"
@@ -172,8 +172,8 @@ def test_show_plan_uses_the_profiles_the_plan_names(show_plan, tmp_path, capsys)
 
 
 def test_search_records_the_profiles_path(tmp_path, capsys):
-    from eth.cli_search import main as search_cli
-    from eth.plan import load_plan
+    from eth.cli.search_hpp import main as search_cli
+    from eth.spec.plan import load_plan
     prof = tmp_path / "prof"
     save_profile(_scaled_profile(Cluster.from_dict({"inter_node_gbps": 1, "nodes": [
         {"type": "cpu", "devices_per_node": 1}]}).types["cpu"], get_model("tiny"), 2.0), prof / "cpu.json")

@@ -1,15 +1,16 @@
-"""Event-driven simulator (eth/simulate.py): hand-computed schedules, Eq. 5/Eq. 1 where
+"""Event-driven simulator (eth/report/simulate.py): hand-computed schedules, Eq. 5/Eq. 1 where
 they are exact, where they are not, and invariants of simulated real plans."""
 from __future__ import annotations
 
 import pytest
 
-from eth.cluster import Cluster
-from eth.cost import CostModel, StageCost, eq1_pipeline_ms, eq5_end_times
-from eth.model import get_model
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.profiles import ProfileDB
-from eth.simulate import (AllReduceBlock, PipelineTiming, SimOptions, StageTiming, allreduce_blocks,
+from eth.spec.cluster import Cluster
+from eth.cost.equations import StageCost, eq1_pipeline_ms, eq5_end_times
+from eth.cost.model import CostModel
+from eth.spec.model import get_model
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.profiles.db import ProfileDB
+from eth.report.simulate import (AllReduceBlock, PipelineTiming, SimOptions, StageTiming, allreduce_blocks,
                           one_f_one_b_order, plan_timings, simulate, simulate_timings)
 
 COMPUTE = ("forward", "recompute", "backward")

@@ -8,7 +8,7 @@
 For fixed stage configurations Eq. 5 is linear in Lbs_i, so the pipeline's end time is
 ``max_j Te_i^j = A_i + B_i * Lbs_i / Mbs_i`` with ``B_i = max_k T_i^k`` and
 ``A_i = sum_k Tf_i^k - B_i + max_j (sum_{k>=j} Tb_i^k + AR_i^j)``
-(:func:`pipeline_line`, equal to :func:`eth.cost.eq5_end_times`).
+(:func:`pipeline_line`, equal to :func:`eth.cost.equations.eq5_end_times`).
 
 Greedy (:func:`allocate`): every pipeline starts with one micro-batch (the paper
 starts at 0; a pipeline with no samples would idle its devices and the plan format
@@ -294,3 +294,14 @@ def allocate_with_variants(options, gbs: int):
         k0 = int(hit[0])
         lbs[i], pick[i], r = k0, int(arg[k0]), r - k0
     return tuple(lbs), tuple(pick), float(t)
+
+
+def alloc_key(results, batch: bool = True) -> tuple:
+    """All that an allocation of ``results`` reads: per pipeline its stage group, state,
+    the ranks its evaluation was made on and (``batch``) the number of micro-batches of
+    its evaluation's batch, capped at the stage count (the stage costs read the batch only
+    through the in-flight micro-batches min(S - j, B / Mbs); Eq. 1's ms is not read)."""
+    if not batch:
+        return tuple((r.group.stages, r.state, r.ranks) for r in results)
+    return tuple((r.group.stages, r.state, r.ranks,
+                  min(len(r.state.stages), max(1, -(-r.batch // r.state.mbs)))) for r in results)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 
-from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState, _pipe
+from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState, pipe_state
 
 
 def split_layers(num_layers: int, weights: list[float]) -> list[int]:
@@ -61,12 +61,12 @@ def resplit(ev: Evaluator, state: PipeState) -> PipeState:
         key = (state.mbs,) + tuple((s.device_type, s.ndev, s.tp) for s in state.stages)
         counts = ev._splits.get(key)
         if counts is not None:
-            return _pipe(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
+            return pipe_state(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
     speeds = [1.0 / ev.layer_ms(s, state.mbs) for s in state.stages]
     counts = split_layers(ev.model.num_layers, speeds)
     if key is not None:
         ev._splits[key] = counts
-    return _pipe(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
+    return pipe_state(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
 
 
 def _lcm(values) -> int:
@@ -150,7 +150,7 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) 
                     new = list(stages)
                     new[j] = st.with_layers(st.layers - k)
                     new[nb] = stages[nb].with_layers(stages[nb].layers + k)
-                    out.append(_pipe(tuple(new), state.mbs))
+                    out.append(pipe_state(tuple(new), state.mbs))
     # tp <-> dp exchange
     tps = ev.valid_tps(st.device_type, st.ndev, ranks[j] if ranks else None)
     for tp in (st.tp * 2, st.tp // 2):
@@ -159,17 +159,17 @@ def neighbours(ev: Evaluator, state: PipeState, j: int, batch: int, ranks=None) 
             new[j] = st.with_tp(tp)
             dp = st.ndev // tp
             if state.mbs % dp == 0:
-                out.append(_pipe(tuple(new), state.mbs))
+                out.append(pipe_state(tuple(new), state.mbs))
             else:
                 mbs = _lcm([state.mbs, dp])
                 if batch % mbs == 0:
-                    out.append(_pipe(tuple(new), mbs))
+                    out.append(pipe_state(tuple(new), mbs))
     # micro-batch size
     if batch % (state.mbs * 2) == 0:
-        out.append(_pipe(state.stages, state.mbs * 2))
+        out.append(pipe_state(state.stages, state.mbs * 2))
     half = state.mbs // 2
     if half >= 1 and state.mbs % 2 == 0 and all(half % s.dp == 0 for s in stages):
-        out.append(_pipe(state.stages, half))
+        out.append(pipe_state(state.stages, half))
     # few micro-batches (B / Mbs < 2 S): tp x2 or /2 on every stage of the bottleneck's
     # type, or on every stage, at once, with the Mbs the new dps allow (a smaller Mbs
     # needs every stage's dp to shrink, which single-stage exchanges cannot reach one
@@ -200,7 +200,7 @@ def _type_wide(ev: Evaluator, state: PipeState, device_type, batch: int, ranks) 
             base = _lcm(x.dp for x in new)
             for mbs in sorted({state.mbs, state.mbs // 2, base}):
                 if mbs >= 1 and mbs % base == 0 and batch % mbs == 0:
-                    out.append(_pipe(tuple(new), mbs))
+                    out.append(pipe_state(tuple(new), mbs))
     return out
 
 
@@ -286,7 +286,7 @@ def far_moves(state: PipeState, cur: Evaluation, sources) -> list[PipeState]:
             new = list(stages)
             new[j] = stages[j].with_layers(stages[j].layers - 1)
             new[i] = stages[i].with_layers(stages[i].layers + 1)
-            out.append(_pipe(tuple(new), state.mbs))
+            out.append(pipe_state(tuple(new), state.mbs))
     return out
 
 

@@ -114,7 +114,7 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
     For one Mbs (a divisor of B, divisible by every stage's dp), Eq. 1 is
     (nmb - 1) x max_j T_j + sum_j T_j with nmb = B / Mbs, plus the pipeline's own
     All-Reduce term (>= 0).  T_j of l_j layers is at least
-    :meth:`eth.cost.CostModel.stage_time_floors` at the stage's tp and micro = Mbs / dp_j
+    :meth:`eth.cost.model.CostModel.stage_time_floors` at the stage's tp and micro = Mbs / dp_j
     (its terms without recompute plus the least recompute time that lets it fit in
     memory; inf if nothing fits); its minimum over the stage's valid tps whose dp divides
     Mbs, made non-decreasing in l_j, is g_j(l_j) (:func:`_stage_floor`).  Over the integer

@@ -5,15 +5,15 @@ Same space as :mod:`eth.planner.search`: device groups and stage device groups f
 valid tp per stage (dp = devices / tp), every mbs of the form lcm(dp_j) * 2^k <= Gbs,
 recompute derived by the same rule (:meth:`eth.planner.evaluate.Evaluator.fit_stage`),
 and every local batch vector (Lbs_i multiple of Mbs_i, Lbs_i >= Mbs_i, sum = Gbs).
-Each combination is scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6).
+Each combination is scored by :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6).
 """
 from __future__ import annotations
 
 import itertools
 import math
 
-from eth.cost import CostModel
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.cost.model import CostModel
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.enumerate import (assign_ranks, device_groups, make_blocks, pipeline_can_hold,
                                    plan_tp_in_nodes, stage_groups)
 from eth.planner.evaluate import Evaluator, PipeState, StageState

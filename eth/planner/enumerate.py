@@ -33,8 +33,8 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from eth.cluster import Cluster
-from eth.model import ModelSpec
+from eth.spec.cluster import Cluster
+from eth.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

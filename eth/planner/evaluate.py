@@ -6,7 +6,7 @@ for a batch ``B`` (Gbs in phase 1, Lbs in phase 3) is Eq. 1 of the paper:
 
     min over {tp, dp, ro, l, Mbs} of  sum_j T_j + max_j T_j * (B / Mbs - 1)
 
-with T_j from :meth:`eth.cost.CostModel.stage_cost`, plus the pipeline's *own*
+with T_j from :meth:`eth.cost.model.CostModel.stage_cost`, plus the pipeline's *own*
 data-parallel All-Reduce, i.e. Eq. 5 of the pipeline alone (:meth:`Evaluator.evaluate`):
 
     ms = Eq. 1 + max_j ( AR_j - sum_{k<j} Tb_k ),   AR_j = Eq. 6 over stage j's dp replicas
@@ -22,7 +22,7 @@ activation bytes per recompute millisecond (high-memory, low-cost first), each i
 of the stage's layers, until the stage fits; the last op's layer count is then reduced
 to the smallest number that still fits (binary search).  An op whose recompute makes
 the stage's memory grow is skipped: the backward holds a recomputed run again
-(``CostModel._remat_bytes``), so an op that joins runs into a longer one can cost more
+(``CostModel.remat_bytes``), so an op that joins runs into a longer one can cost more
 than it frees.  A stage that does not fit carries its overflow (bytes over capacity,
 with the op set found or every op recomputed, whichever holds less) as a penalty;
 configurations compare by (overflow, Eq. 1 time).
@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from eth.cost import CostModel, StageCost, eq1_pipeline_ms, eq6_allreduce_ms
-from eth.model import layer_ops
+from eth.cost.equations import StageCost, eq1_pipeline_ms, eq6_allreduce_ms
+from eth.cost.model import CostModel
+from eth.spec.model import layer_ops
 from eth.planner.enumerate import tp_groups_in_nodes
 
 
@@ -99,7 +100,7 @@ class PipeState:
         return out
 
 
-def _pipe(stages: tuple[StageState, ...], mbs: int) -> PipeState:
+def pipe_state(stages: tuple[StageState, ...], mbs: int) -> PipeState:
     """``PipeState(stages, mbs)``, fast (:func:`_new`)."""
     return _new(PipeState, stages=stages, mbs=mbs, _hash=hash((stages, mbs)))
 
@@ -152,7 +153,7 @@ class Evaluator:
         self._saved: dict = {}
         self._links: dict = {}
         self._tps: dict = {}
-        self._ranks: dict = {}
+        self.ranks_memo: dict = {}
         self._floors: dict = {}    # eth.planner.bounds.stage_group_floor's per-stage rows
         self.evaluations = 0
 
@@ -214,7 +215,7 @@ class Evaluator:
         result = (c, (), 0.0)
         if not c.fits:
             # memory = fixed + inflight * max(act - saved(recompute), 0) + remat(recompute)
-            # (CostModel._remat_bytes: a recomputed run held again in the backward);
+            # (CostModel.remat_bytes: a recomputed run held again in the backward);
             # search the recompute set on that formula, then cost the chosen set once.
             okey = ("ops", st.device_type, mbs // st.dp, st.tp)
             ops = self._order.get(okey)
@@ -233,8 +234,8 @@ class Evaluator:
                 # depend on (shape, skipped, k, rec[op]) only: ``sk``
                 saved = self._saved.get(sk)
                 if saved is None:
-                    saved = self._saved[sk] = (self.cost._recompute_savings(ops, rec),
-                                               self.cost._remat_bytes(ops, rec, nl))
+                    saved = self._saved[sk] = (self.cost.recompute_savings(ops, rec),
+                                               self.cost.remat_bytes(ops, rec, nl))
                 return c.inflight * max(c.act_bytes - saved[0], 0.0) + saved[1]
 
             chosen: dict[str, int] = {}

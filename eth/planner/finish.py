@@ -17,11 +17,11 @@ def finish(search) -> dict:
     so with ``jobs`` > 1 they run spread over forked processes
     (:func:`eth.planner.workers.parallel_map`) and are adopted here in the same order:
     the same plan.  Returns the symmetric record for ``plan.search``."""
-    work = ([None] if search.opt.symmetric and not search._out_of_time() else []) + list(search._top)
+    work = ([None] if search.opt.symmetric and not search.out_of_time() else []) + list(search.top)
     evaluations = search.ev.evaluations
 
     def run(item):
-        if search._out_of_time():
+        if search.out_of_time():
             return Finished(item, 0)
         before = search.ev.evaluations
         if item is None:

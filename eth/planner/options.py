@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from eth.errors import SpecError
-from eth.precision import TrainSetup
+from eth.spec.precision import TrainSetup
 
 STRATEGIES = ("hpp", "uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong", "typesplit")
 """Search strategies known to :func:`eth.planner.search.search`: hpp and the baselines of

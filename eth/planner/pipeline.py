@@ -115,9 +115,9 @@ def stage_ranks(ev: Evaluator, blocks: Blocks, g: StageGroup) -> tuple[tuple[int
     if not ev.memo:
         return tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
     key = (blocks, g.stages)
-    hit = ev._ranks.get(key)
+    hit = ev.ranks_memo.get(key)
     if hit is None:
-        hit = ev._ranks[key] = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+        hit = ev.ranks_memo[key] = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
     return hit
 
 
@@ -142,10 +142,10 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     # stage groups and budgets depend on the devices only (phase 1 runs again for each
     # Lbs the polish re-plans): kept on the evaluator
     gkey = ("groups", blocks.types, blocks.devices(vec), max_stages, base_budget)
-    hit = ev._ranks.get(gkey)
+    hit = ev.ranks_memo.get(gkey)
     if hit is None:
         groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages)
-        hit = ev._ranks[gkey] = (groups, adaptive_budgets(ev.cost.cluster, groups, base_budget) if groups else [])
+        hit = ev.ranks_memo[gkey] = (groups, adaptive_budgets(ev.cost.cluster, groups, base_budget) if groups else [])
     groups, budgets = hit
     if not groups:
         return None

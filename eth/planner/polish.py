@@ -2,7 +2,7 @@
 
 Phases 1 and 3 optimise each pipeline alone (Eq. 1 plus its own All-Reduce).  Three
 couplings are invisible there and are handled on the whole device group, scored by the
-allocation (Eq. 2-5) and :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6):
+allocation (Eq. 2-5) and :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6):
 
 * :func:`finer_microbatches` -- Lbs_i must be a multiple of Mbs_i, so the large Mbs that a
   lone pipeline prefers can leave the allocation coarse; halve one pipeline's Mbs (or
@@ -31,9 +31,9 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 
-from eth.model import layer_ops
-from eth.plan import Plan
-from eth.planner.allocate import allocate_with_variants, pipeline_line
+from eth.spec.model import layer_ops
+from eth.spec.plan import Plan
+from eth.planner.allocate import alloc_key, allocate_with_variants, pipeline_line
 from eth.planner.balance import joint_moves
 from eth.planner.enumerate import StageGroup, plan_tp_in_nodes
 from eth.planner.pipeline import PipelineResult, stage_ranks
@@ -60,7 +60,7 @@ def _halved(search, r: PipelineResult, lbs: int) -> PipelineResult | None:
 def finer_microbatches(search, cand: Candidate) -> Candidate:
     """Halve Mbs (of one pipeline, or of all at once) while re-allocation lowers Eq. 2
     (and the search's time limit is not reached)."""
-    while not search._out_of_time():
+    while not search.out_of_time():
         halved = [_halved(search, r, p.lbs) for r, p in zip(cand.results, cand.plan.pipelines)]
         moves = [[i] for i, h in enumerate(halved) if h is not None]
         if len(moves) > 1:
@@ -70,7 +70,7 @@ def finer_microbatches(search, cand: Candidate) -> Candidate:
             trial = list(cand.results)
             for i in move:
                 trial[i] = halved[i]
-            got = search._allocate(trial)
+            got = search.allocate(trial)
             if got is not None and got[1] < (best or cand).iteration_ms * (1 - 1e-9):
                 best = Candidate(got[0], got[1], trial)
         if best is None:
@@ -83,12 +83,11 @@ def variant_allocation(search, results: list[PipelineResult]) -> Candidate | Non
     """Exact Eq. 2-4 with each pipeline's Mbs free among halvings/doublings of its own.
 
     With ``memo`` (:class:`eth.planner.options.SearchOptions`) the answer is kept per
-    :func:`eth.planner.search.alloc_key` of ``results`` without their batches (it
+    :func:`eth.planner.allocate.alloc_key` of ``results`` without their batches (it
     re-evaluates every state at Gbs and reads neither Lbs nor evaluation; 52 of 95 calls on GPT-3 13B / 64
     devices repeat one: the polish's re-plan offers the same groups again)."""
     if not search.opt.memo:
         return _variant_allocation(search, results)
-    from eth.planner.search import alloc_key
     key = alloc_key(results, batch=False)   # the variants are evaluated at Gbs afresh
     if key not in search.variants:
         search.variants[key] = _variant_allocation(search, results)
@@ -201,11 +200,11 @@ scored with the free-Mbs exact allocation."""
 
 
 def allocation_floor(search, trial) -> float:
-    """A lower bound of ``search._allocate(trial)``'s iteration time (Eq. 5 + Eq. 6 of the
+    """A lower bound of ``search.allocate(trial)``'s iteration time (Eq. 5 + Eq. 6 of the
     allocated plan; inf where it fails): each pipeline's end-time line A_i + B_i x_i in its
     micro-batch count x_i (Eq. 5, :func:`eth.planner.allocate.pipeline_line`) on the stage
     costs of the ranks the plan gives it, without its All-Reduce (AR >= 0, as are the
-    optimizer and step terms that :meth:`eth.cost.CostModel.evaluate` adds), minimised
+    optimizer and step terms that :meth:`eth.cost.model.CostModel.evaluate` adds), minimised
     over real x_i >= 1 with sum_i Mbs_i x_i = Gbs (the allocation's are whole and sum to
     Gbs): max(max_i (A_i + B_i), T) with T solving sum_i Mbs_i (T - A_i) / B_i = Gbs.
     The lines are memoised per pipeline (its ranks, state and recompute): no plan, no
@@ -228,18 +227,18 @@ def allocation_floor(search, trial) -> float:
 
 def _layout(search, trial) -> tuple:
     """The ranks of every stage of every pipeline that ``search.build_plan(trial)`` uses
-    (:meth:`eth.planner.search.HPPSearch._ranks`), as tuples."""
+    (:meth:`eth.planner.search.HPPSearch.ranks`), as tuples."""
     key = tuple(r.group.stages for r in trial)
-    hit = search._layouts.get(key)
+    hit = search.layouts.get(key)
     if hit is None:
-        ranks = search._ranks(trial)       # memoised there with ``memo``
-        hit = search._layouts.get(key) or tuple(tuple(tuple(s) for s in p) for p in ranks)
+        ranks = search.ranks(trial)       # memoised there with ``memo``
+        hit = search.layouts.get(key) or tuple(tuple(tuple(s) for s in p) for p in ranks)
     return hit
 
 
 def _floor_line(cost, r: PipelineResult, ranks) -> tuple[float, float, int]:
     """(A, B, Mbs) of ``r`` on ``ranks`` without All-Reduce: the stage costs that
-    :meth:`eth.cost.CostModel.pipeline_costs` gives the planned pipeline (its times do not
+    :meth:`eth.cost.model.CostModel.pipeline_costs` gives the planned pipeline (its times do not
     depend on the in-flight micro-batches)."""
     stages, mbs = r.state.stages, r.state.mbs
     n = len(stages)
@@ -274,7 +273,7 @@ class _Scan:
         self._score(k, trial)
 
     def _score(self, k: int, trial) -> None:
-        got = self.search._allocate(trial)
+        got = self.search.allocate(trial)
         self.scored.append((got[1] if got is not None else math.inf, k, trial))
         if got is not None and got[1] < (self.best or self.cand).iteration_ms * (1 - 1e-9):
             self.best = Candidate(got[0], got[1], trial)
@@ -352,7 +351,7 @@ def better_trial(search, trial, best: Candidate | None, cand: Candidate) -> Cand
     bar = (best or cand).iteration_ms * (1 - 1e-9)
     if search.opt.prune and allocation_floor(search, trial) >= bar:
         return best
-    got = search._allocate(trial)
+    got = search.allocate(trial)
     if got is not None and got[1] < bar:
         return Candidate(got[0], got[1], trial)
     return best
@@ -545,7 +544,7 @@ def polish(search, cand: Candidate, budget: int) -> Candidate:
     search's time limit; once it is reached the best candidate so far is returned.  Reads
     nothing the search changes as it goes but its caches, so the polishes of several groups
     may run in separate processes (:mod:`eth.planner.workers`)."""
-    out = search._out_of_time
+    out = search.out_of_time
     for _ in range(POLISH_ROUNDS):
         start = cand.iteration_ms
         cand = _descend(search, cand, budget, out)
@@ -564,7 +563,7 @@ def lightest(search, cand: Candidate) -> Candidate:
     """The polish's last step, taken in the order the groups are polished: a group no
     slower than the search's best so far gets the least recompute that fits
     (:func:`lighter_recompute`; its plan only)."""
-    if not search._out_of_time() and (search.best is None or
+    if not search.out_of_time() and (search.best is None or
                                       cand.iteration_ms <= search.best.iteration_ms * (1 + 1e-9)):
         cand = lighter_recompute(search, cand)
     return cand

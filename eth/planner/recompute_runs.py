@@ -2,7 +2,7 @@
 
 :meth:`eth.planner.evaluate.Evaluator.fit_stage` recomputes ops one at a time in order of
 saved bytes per recompute ms.  A recomputed *run* of consecutive ops frees what its ops
-store but keeps only the run's input (:meth:`eth.cost.CostModel._recompute_savings`), so
+store but keeps only the run's input (:meth:`eth.cost.model.CostModel.recompute_savings`), so
 recomputing a whole layer (Megatron's "full" recompute) or the attention core as one run
 (its "selective") can free the needed memory for less time than the op order's choice.
 :class:`RunEvaluator` fits each stage that needs recompute also with those two runs --
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from eth.model import UNFUSED_ATTENTION_OPS, layer_ops
+from eth.spec.model import UNFUSED_ATTENTION_OPS, layer_ops
 from eth.planner.evaluate import Evaluator
 
 
@@ -76,6 +76,6 @@ class RunEvaluator(Evaluator):
         key = (device_type, micro, tp, run)
         if key not in self._facts:
             ops = self.cost.profiles.layer_costs(device_type, self.model, micro, tp)[0]
-            self._facts[key] = (self.cost._recompute_savings(ops, {op: 1 for op in run}),
+            self._facts[key] = (self.cost.recompute_savings(ops, {op: 1 for op in run}),
                                 sum(ops[op].fwd_ms for op in run))
         return self._facts[key]

@@ -7,7 +7,7 @@ pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost wit
 1. stage configurations with Lbs = Gbs (Eq. 1) for every pipeline
    (:func:`eth.planner.pipeline.optimise_pipeline`; cached by block vector with ``cache``);
 2. greedy local batch allocation (Eq. 2-5, :func:`eth.planner.allocate.allocate`) with
-   AR_i^j from :meth:`eth.cost.CostModel.stage_allreduce_ms` (Eq. 6) on concrete ranks;
+   AR_i^j from :meth:`eth.cost.model.CostModel.stage_allreduce_ms` (Eq. 6) on concrete ranks;
    if the phase-1 Mbs admit no exact split, the exact allocation with free Mbs
    (:func:`eth.planner.polish.variant_allocation`) is used instead; then Mbs are halved
    while re-allocation lowers Eq. 2 (:func:`eth.planner.polish.finer_microbatches`:
@@ -19,7 +19,7 @@ pipelines (:func:`eth.planner.enumerate.device_groups`, ascending Eq. 9 cost wit
    (:func:`eth.planner.polish.polish`: tp/dp and layer moves scored by Eq. 5 + Eq. 6
    of the whole group, then an exact allocation with free Mbs).
 
-Every candidate plan is scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6,
+Every candidate plan is scored by :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6,
 memory check); the best feasible plan with sum Lbs == Gbs wins.
 
 Section 5 optimisations (each switchable): ``cache`` (5.1), ``skip`` (5.2,
@@ -41,12 +41,12 @@ import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from eth.cluster import Cluster
-from eth.cost import CostModel
+from eth.spec.cluster import Cluster
+from eth.cost.model import CostModel
 from eth.errors import InfeasibleError
-from eth.model import ModelSpec
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.allocate import Allocation, allocate, pipeline_line
+from eth.spec.model import ModelSpec
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
@@ -59,7 +59,7 @@ from eth.planner.polish import Candidate, finer_microbatches, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
 from eth.planner.recompute_runs import RunEvaluator
 from eth.planner.workers import Forked, can_fork
-from eth.profiles import ProfileDB
+from eth.profiles.db import ProfileDB
 
 
 @dataclass
@@ -98,7 +98,7 @@ class HPPSearch:
         self.model, self.cluster, self.opt = model, cluster, options
         self.cost = CostModel(model, cluster, profiles, options.setup)
         self.ev = (RunEvaluator if options.recompute_runs else Evaluator)(self.cost, options.memo)
-        self._layouts: dict = {}
+        self.layouts: dict = {}
         self._ar: dict = {}
         self._allocs: dict = {}     # memo of _allocate_group (with ``memo``)
         self.variants: dict = {}    # memo of polish.variant_allocation (with ``memo``)
@@ -114,7 +114,7 @@ class HPPSearch:
         self.clock = Clock(options.time_limit)
         self._window: deque = deque(maxlen=options.dp_window)
         self._dp_done = False
-        self._top: list[Candidate] = []
+        self.top: list[Candidate] = []
         self.phases = PhaseTimer()
 
     # ------------------------------------------------------------------ helpers
@@ -127,7 +127,7 @@ class HPPSearch:
                                                 self.cost.bytes_per_param)
         return self._hold[vec]
 
-    def _out_of_time(self) -> bool:
+    def out_of_time(self) -> bool:
         """True once the time limit is reached (and recorded in the statistics)."""
         if self.clock.out():
             self.stats.time_limited = True
@@ -150,7 +150,7 @@ class HPPSearch:
         # alternatives at once, which leaves the floor pruning little to cut: not pruned
         with self.phases("balance"):
             result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
-                                       self.opt.stage_groups_topk, self.opt.max_stages, self._out_of_time,
+                                       self.opt.stage_groups_topk, self.opt.max_stages, self.out_of_time,
                                        self.phases, self.opt.prune and batch == self.opt.gbs)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
@@ -165,7 +165,7 @@ class HPPSearch:
             return self._cache[key]
         self.stats.refinements += 1
         with self.phases("refine"):
-            refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self._out_of_time)
+            refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self.out_of_time)
         if self.opt.cache and not self.clock.hit:
             self._cache[key] = refined
         return refined
@@ -188,14 +188,14 @@ class HPPSearch:
         return bound
 
     # ------------------------------------------------------------------ one group
-    def _ranks(self, results) -> list[list[list[int]]]:
+    def ranks(self, results) -> list[list[list[int]]]:
         """:func:`assign_ranks` of the results' stage groups (memoised with ``memo``)."""
         if not self.opt.memo:
             return assign_ranks(self.blocks, [list(r.group.stages) for r in results])
         key = tuple(r.group.stages for r in results)
-        hit = self._layouts.get(key)
+        hit = self.layouts.get(key)
         if hit is None:
-            hit = self._layouts[key] = tuple(tuple(tuple(s) for s in p) for p in
+            hit = self.layouts[key] = tuple(tuple(tuple(s) for s in p) for p in
                                              assign_ranks(self.blocks, [list(g) for g in key]))
         return [[list(s) for s in p] for p in hit]
 
@@ -211,7 +211,7 @@ class HPPSearch:
         return [list(row) for row in hit]
 
     def build_plan(self, results: list[PipelineResult], lbs) -> Plan:
-        ranks = self._ranks(results)
+        ranks = self.ranks(results)
         pipelines = []
         for r, rk, n in zip(results, ranks, lbs):
             stages = []
@@ -221,7 +221,7 @@ class HPPSearch:
             pipelines.append(PipelinePlan(r.state.mbs, n, stages))
         return Plan(self.model, self.cluster, self.opt.gbs, pipelines)
 
-    def _allocate(self, results) -> tuple[Plan, float] | None:
+    def allocate(self, results) -> tuple[Plan, float] | None:
         with self.phases("allocation"):
             if not self.opt.memo:
                 return self._allocate_group(results)
@@ -281,7 +281,7 @@ class HPPSearch:
                 self._reason("a pipeline does not fit in memory")
                 return None
             results.append(r)
-        got = self._allocate(results)
+        got = self.allocate(results)
         if got is None:
             # the phase-1 Mbs admit no exact split (e.g. sum of Mbs > Gbs): free the Mbs
             with self.phases("allocation"):
@@ -293,14 +293,14 @@ class HPPSearch:
         with self.phases("allocation"):
             cand = finer_microbatches(self, cand)
         results = cand.results
-        if not self._out_of_time() and (
+        if not self.out_of_time() and (
                 self.best is None or cand.iteration_ms <= self.best.iteration_ms * (1 + self.opt.refine_margin)):
             for _ in range(2):
                 lbs = [p.lbs for p in cand.plan.pipelines]
                 refined = [self.phase3(r, n) for r, n in zip(cand.results, lbs)]
                 if any(not r.feasible for r in refined):
                     break
-                again = self._allocate(refined)
+                again = self.allocate(refined)
                 if again is None or again[1] >= cand.iteration_ms * (1 - 1e-9):
                     break
                 cand = Candidate(again[0], again[1], refined)
@@ -317,12 +317,12 @@ class HPPSearch:
             self.best = cand
         if self.opt.polish_top:
             key = tuple(r.vec for r in cand.results)
-            top = [c for c in self._top if tuple(r.vec for r in c.results) != key or
+            top = [c for c in self.top if tuple(r.vec for r in c.results) != key or
                    c.iteration_ms <= cand.iteration_ms]
             if all(tuple(r.vec for r in c.results) != key for c in top):
                 top.append(cand)
             top.sort(key=lambda c: c.iteration_ms)
-            self._top = top[:self.opt.polish_top]
+            self.top = top[:self.opt.polish_top]
 
     # ------------------------------------------------------------------ driver
     def run(self) -> Plan:
@@ -338,11 +338,11 @@ class HPPSearch:
         root.__enter__()
         try:
             for p in range(1, max_p + 1):
-                if self._out_of_time():
+                if self.out_of_time():
                     break
                 # counted lazily, saturating above dp_group_limit, polling the clock
                 try:
-                    n = count_groups(total, p, self.can_hold, limit=limit, stop=self._out_of_time)
+                    n = count_groups(total, p, self.can_hold, limit=limit, stop=self.out_of_time)
                 except TimeUp:
                     break
                 if limit is not None and n > limit:
@@ -357,7 +357,7 @@ class HPPSearch:
                 bar.refresh()
                 visited, dp_now = 0, False
                 for vecs in self._ordered_groups(p):
-                    if self._out_of_time():
+                    if self.out_of_time():
                         break
                     visited += 1
                     bar.update(1)
@@ -409,13 +409,13 @@ class HPPSearch:
             self.stats.dp_triggered_at = p
 
     def _ordered_groups(self, p):
-        groups = device_groups(self.blocks.count, p, self.can_hold, stop=self._out_of_time)
+        groups = device_groups(self.blocks.count, p, self.can_hold, stop=self.out_of_time)
         if not self.opt.order:
             return groups
         tflops = {t: d.tflops for t, d in self.cluster.types.items()}
         keyed = []
         for i, g in enumerate(groups):
-            if i % 256 == 0 and self._out_of_time():
+            if i % 256 == 0 and self.out_of_time():
                 break
             keyed.append((variance_cost([self._devices(v) for v in g], tflops, self.opt.gbs,
                                         self.model.num_layers), i, g))
@@ -468,17 +468,17 @@ class HPPSearch:
         max_p = min(self.blocks.total, self.opt.gbs, self.opt.max_pipelines or self.blocks.total)
 
         def throughput(vec):
-            if not self.can_hold(vec) or self._out_of_time():
+            if not self.can_hold(vec) or self.out_of_time():
                 return 0.0
             r = self.phase1(vec)
             return r.throughput if r is not None else 0.0
 
         seen = set()
         for order in self._orderings():
-            if self._out_of_time():
+            if self.out_of_time():
                 break
             for q, (_, vecs) in sorted(split_dp(order, len(self.blocks.types), max_p, throughput).items()):
-                if q < p or vecs in seen or self._out_of_time():
+                if q < p or vecs in seen or self.out_of_time():
                     continue
                 seen.add(vecs)
                 self.stats.groups_by_dp += 1
@@ -501,17 +501,6 @@ class HPPSearch:
             lead = (f"gbs {self.opt.gbs} cannot be split into local batches that are whole multiples "
                     f"of the pipelines' mbs for model {self.model.name}")
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
-
-
-def alloc_key(results, batch: bool = True) -> tuple:
-    """All that an allocation of ``results`` reads: per pipeline its stage group, state,
-    the ranks its evaluation was made on and (``batch``) the number of micro-batches of
-    its evaluation's batch, capped at the stage count (the stage costs read the batch only
-    through the in-flight micro-batches min(S - j, B / Mbs); Eq. 1's ms is not read)."""
-    if not batch:
-        return tuple((r.group.stages, r.state, r.ranks) for r in results)
-    return tuple((r.group.stages, r.state, r.ranks,
-                  min(len(r.state.stages), max(1, -(-r.batch // r.state.mbs)))) for r in results)
 
 
 SEED_STRATEGIES = ("metis-strong", "hexiscale-strong", "uniform")

@@ -88,9 +88,9 @@ def _copies(search, results, k: int) -> Candidate | None:
     phase-2 allocation; the fastest, or None."""
     best = None
     for r in results:
-        if search._out_of_time():
+        if search.out_of_time():
             break
-        got = search._allocate([r] * k)
+        got = search.allocate([r] * k)
         if got is not None and (best is None or got[1] < best.iteration_ms * (1 - 1e-9)):
             best = Candidate(got[0], got[1], [r] * k)
     return best
@@ -103,7 +103,7 @@ def _evaluate(child, vec, k: int) -> Candidate | None:
     micro-batch count) copied k times; the fastest after finer Mbs, offered to ``child``."""
     found = [c for c in [child.evaluate_group((vec,) * k)] if c is not None]
     gbs = child.opt.gbs
-    if gbs % k == 0 and not child._out_of_time():
+    if gbs % k == 0 and not child.out_of_time():
         r = child.phase1(vec, batch=gbs // k)
         if r is not None and r.feasible:
             cand = _copies(child, [r, *r.alternatives], k)
@@ -137,13 +137,13 @@ def _descend(search, cand: Candidate, budget: int) -> Candidate:
     pipeline at once (the group stays symmetric), scored by the group's allocation;
     for groups of identical pipelines, whose one-pipeline moves gain little alone."""
     spent = 0
-    while spent < budget and not search._out_of_time():
+    while spent < budget and not search.out_of_time():
         first, lbs = cand.results[0], cand.plan.pipelines[0].lbs
         if any(r.state != first.state or r.group != first.group for r in cand.results):
             return cand
         best = None
         for state in [*pipeline_moves(search.ev, first), *layer_moves(first)]:
-            if spent >= budget or search._out_of_time():
+            if spent >= budget or search.out_of_time():
                 break
             e = search.ev.evaluate(state, lbs, first.ranks)
             if not e.feasible:
@@ -174,7 +174,7 @@ def symmetric_phase(search) -> tuple[dict, list[tuple[int, Candidate]]]:
     found: list[tuple[int, Candidate, object]] = []
     record = {"pipelines": [], "ms": {}}
     for k, per in symmetric_counts(search):
-        if search._out_of_time():
+        if search.out_of_time():
             break
         blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks, unit.nodes)
         child = _sibling(search, blocks)
@@ -190,10 +190,10 @@ def symmetric_phase(search) -> tuple[dict, list[tuple[int, Candidate]]]:
         bar = min(bar, found[0][1].iteration_ms) * (1 + search.opt.refine_margin)
     for i, (k, cand, child) in enumerate(found):
         # the polish_top best within refine_margin of the best plan so far
-        if i >= search.opt.polish_top or cand.iteration_ms > bar or search._out_of_time():
+        if i >= search.opt.polish_top or cand.iteration_ms > bar or search.out_of_time():
             break
         better = _descend(child, cand, DESCENT_BUDGET * search.opt.polish_budget)
-        final = None if search._out_of_time() else variant_allocation(child, better.results)
+        final = None if search.out_of_time() else variant_allocation(child, better.results)
         if final is not None and final.iteration_ms < better.iteration_ms:
             better = final
         if better.iteration_ms < cand.iteration_ms:

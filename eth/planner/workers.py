@@ -8,10 +8,10 @@ process would have computed, and the caller combines the results in the order it
 have produced them (tests/planner/test_workers.py compares plans of ``jobs`` 1 and 2).
 
 * :class:`Forked`: one call in one child while this process goes on (the seed planners
-  and the symmetric phase, during the group enumeration);
+  beside the group enumeration);
 * :func:`parallel_map`: a function over a list, the items handed out one at a time from a
   counter in shared memory to this process and ``jobs - 1`` children (the polish of the
-  best groups).
+  best groups and the symmetric phase at the end of the search, eth.planner.finish).
 
 Where the fork start method is missing (Windows) or ``jobs`` is 1, everything runs in
 this process.  A child that dies without an answer (killed, out of memory) is not fatal:

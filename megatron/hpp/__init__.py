@@ -1,12 +1,15 @@
-"""HPP runtime: Megatron-core extended for data-balanced heterogeneous pipeline parallelism.
+"""HPP runtime: megatron-core extended for data-balanced heterogeneous pipeline parallelism.
 
-Modules (import them directly; this package imports nothing eagerly):
-  topology   plan -> rank layout + every process group (one immutable object per rank)
-  compat     backend/device selection and the CPU shim for megatron-core
-  model      op-decomposed GPT stage on megatron.core.tensor_parallel layers
-  data       uneven local-batch slicing of each global batch
-  schedule   per-pipeline 1F1B with stage-boundary resharding
-  grad_sync  gradient buffers on eth.blocks' layout, reduced during backward; global norm
-  optimizer  ZeRO-sharded AdamW on fp32 main weights, weight write-back, fp16 loss scale
-  training   the train loop used by pretrain_gpt.py
+Packages (import modules directly; no package imports anything eagerly), each importing
+only those above it in this list, and eth (never the other way round):
+  compat, rank_exit  backend/device selection and the CPU shim for megatron-core; how a
+                     rank's process ends
+  models/       GPT and LLaMA pipeline stages built op by op on megatron.core.tensor_parallel
+  data/         uneven local-batch slicing, indexed datasets and blends, tokenizers
+  parallel/     plan -> topology (ranks, every process group), the launch check, the
+                per-pipeline 1F1B schedule with stage-boundary resharding
+  distributed/  the gradient path: block-wise All-Reduce buffers, ZeRO-sharded AdamW
+  training/     the train loop, checkpoints, metrics, evaluation, failures
+  profiling/    measured op profiles (may import models, data and distributed; never training)
+  cli/          bodies of tools/profile_ops.py and tools/preprocess_data.py
 """

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 def main() -> int:
     from eth.errors import SpecError
-    from megatron.hpp.datasets import DataConfig, build_sources, shipped_corpus
+    from megatron.hpp.data.datasets import DataConfig, build_sources, shipped_corpus
     from megatron.hpp.rank_exit import exit_rank
 
     dist.init_process_group("gloo")
@@ -18,7 +18,7 @@ def main() -> int:
                             train_iters=4, progress=True)
     except SpecError as exc:
         print(f"error: rank {dist.get_rank()}: {exc}", file=sys.stderr, flush=True)
-        # end without tearing gloo down (the peer may have left), as megatron.hpp.training
+        # end without tearing gloo down (the peer may have left), as megatron.hpp.training.loop
         # does after a failure: rc -6 after the right line was seen in a CI run
         exit_rank(2)
     digest = hashlib.sha256()

@@ -14,7 +14,7 @@ def status(field: str) -> int:
 
 def main(prefix: str, cache: str) -> None:
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
-    from megatron.hpp.datasets import DataConfig, build_sources
+    from megatron.hpp.data.datasets import DataConfig, build_sources
 
     base, anon = status("VmRSS"), status("RssAnon")
     cfg = DataConfig((prefix,), seq_len=256, vocab=50000, split="99,1,0", cache_path=cache)

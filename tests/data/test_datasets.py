@@ -1,4 +1,4 @@
-"""megatron/hpp/datasets.py: --data-path / --split parsing and checks, and the GPTSource
+"""megatron/hpp/data/datasets.py: --data-path / --split parsing and checks, and the GPTSource
 contract (deterministic, every sample of a global batch once, plan-independent) on
 megatron-core's GPTDataset / BlendedDataset without a process group."""
 import collections
@@ -11,8 +11,8 @@ import torch
 
 from _data_helpers import labelled_docs, write_docs
 from eth.errors import SpecError
-from megatron.hpp import datasets as ds
-from megatron.hpp.datasets import DataConfig, build_sources, check_data, parse_data_path, shipped_corpus
+from megatron.hpp.data import datasets as ds
+from megatron.hpp.data.datasets import DataConfig, build_sources, check_data, parse_data_path, shipped_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -128,9 +128,9 @@ def test_samples_depend_on_seed_and_data_only(tmp_path, monkeypatch):
 
 
 def _plan(lbs_mbs_dp):
-    from eth.cluster import Cluster
-    from eth.model import get_model
-    from eth.plan import PipelinePlan, Plan, StagePlan
+    from eth.spec.cluster import Cluster
+    from eth.spec.model import get_model
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
     n = sum(dp for _, _, dp in lbs_mbs_dp)
     cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 100,
@@ -144,7 +144,7 @@ def _plan(lbs_mbs_dp):
 
 @pytest.mark.parametrize("layout", [[(16, 4, 1)], [(10, 5, 1), (6, 2, 2)], [(8, 2, 2), (4, 4, 4), (4, 1, 1)]])
 def test_every_plan_reads_each_sample_of_a_global_batch_once(layout):
-    from megatron.hpp.data import batch, sample_range
+    from megatron.hpp.data.batches import batch, sample_range
 
     plan = _plan(layout)
     src = build_sources(DataConfig((shipped_corpus(),), seq_len=32, vocab=256, seed=1), gbs=16,

@@ -1,5 +1,5 @@
 """Memory per rank does not grow with the corpus: a generated ~200 MB corpus, read through
-megatron/hpp/datasets.py in a fresh process, adds a few MB of private memory (the old
+megatron/hpp/data/datasets.py in a fresh process, adds a few MB of private memory (the old
 byte-file source held the whole file as int64: 8x the file).
 
 What is measured: RssAnon, the process's own memory.  Pages of the memory-mapped .bin

@@ -32,7 +32,7 @@ def _launch(caches):
 
 
 def _expected(tmp_path, monkeypatch) -> str:
-    from megatron.hpp.datasets import DataConfig, build_sources, shipped_corpus
+    from megatron.hpp.data.datasets import DataConfig, build_sources, shipped_corpus
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "alone"))
     src = build_sources(DataConfig((shipped_corpus(),), seq_len=32, vocab=256, seed=9), gbs=8,

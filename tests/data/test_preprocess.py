@@ -1,4 +1,4 @@
-"""tools/preprocess_data.py (megatron/hpp/cli_preprocess.py): text and JSON lines ->
+"""tools/preprocess_data.py (megatron/hpp/cli/preprocess_data.py): text and JSON lines ->
 megatron-core .bin/.idx, byte-level or a local HuggingFace tokenizer.json; read back
 with megatron-core's own IndexedDataset."""
 import json
@@ -9,8 +9,8 @@ import numpy
 import pytest
 
 from _data_helpers import ROOT
-from megatron.hpp.cli_preprocess import main
-from megatron.hpp.datasets import shipped_corpus
+from megatron.hpp.cli.preprocess_data import main
+from megatron.hpp.data.datasets import shipped_corpus
 
 
 def _docs(prefix):

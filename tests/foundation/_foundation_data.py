@@ -1,7 +1,7 @@
 """Shared test data: a tiny model and a hand-made profile with round numbers."""
 
-from eth.model import ModelSpec, op_shapes
-from eth.profiles import OP_FIELDS, PROFILE_VERSION, SHAPE_FIELDS
+from eth.spec.model import ModelSpec, op_shapes
+from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, SHAPE_FIELDS
 
 TINY = ModelSpec("t", num_layers=4, hidden=8, heads=2, ffn=32, seq_len=4, vocab=16, dropout=0.0)
 RESERVED = 1000.0

@@ -2,8 +2,8 @@
 import pytest
 
 from _foundation_data import TINY, flat_profile
-from eth.cluster import Cluster
-from eth.profiles import DeviceProfile, ProfileDB
+from eth.spec.cluster import Cluster
+from eth.profiles.db import DeviceProfile, ProfileDB
 
 
 @pytest.fixture

@@ -1,15 +1,15 @@
-"""Aceso profile import (eth/aceso.py) on small CSVs written in Aceso's own format."""
+"""Aceso profile import (eth/profiles/aceso.py) on small CSVs written in Aceso's own format."""
 from dataclasses import replace
 
 import pytest
 
-from eth.aceso import import_aceso
-from eth.cli_profiles import main as make_profiles
-from eth.cluster import Cluster
-from eth.cost import CostModel
+from eth.profiles.aceso import import_aceso
+from eth.cli.make_profiles import main as make_profiles
+from eth.spec.cluster import Cluster
+from eth.cost.model import CostModel
 from eth.errors import ProfileError
-from eth.model import ALL_OPS, get_model, op_shapes
-from eth.profiles import DeviceProfile, ProfileDB, analytic_profile, load_profile
+from eth.spec.model import ALL_OPS, get_model, op_shapes
+from eth.profiles.db import DeviceProfile, ProfileDB, analytic_profile, load_profile
 
 from _foundation_data import ACESO_NAMES as NAMES
 

@@ -1,21 +1,21 @@
-"""The gradient layout (eth.blocks) of block-, device- and tensor-wise sync, without processes.
+"""The gradient layout (eth.layout.blocks) of block-, device- and tensor-wise sync, without processes.
 
 Checked by hand on the paper's Fig. 5/7 situation (a dp 2 pipeline next to a tp 2
 pipeline), by brute force on the coverage property every strategy must have (each
 replica adds every element of every parameter exactly once, and every participant of
 a buffer lays out the same pieces), and against the cost model's independent count
-of the block structure (eth.sync_cost.block_groups).
+of the block structure (eth.cost.sync.block_groups).
 """
 import numpy as np
 import pytest
 
-from eth.blocks import GradLayout
-from eth.cluster import Cluster
+from eth.layout.blocks import GradLayout
+from eth.spec.cluster import Cluster
 from eth.errors import PlanError
-from eth.model import ModelSpec
-from eth.params import all_specs
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.sync_cost import block_groups
+from eth.spec.model import ModelSpec
+from eth.layout.params import all_specs
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.cost.sync import block_groups
 
 M = ModelSpec("t4", num_layers=4, hidden=8, heads=4, ffn=32, seq_len=4, vocab=16, dropout=0.0)
 LAYER_PART, LAYER_REPL = 824, 48      # qkv, dense.w, fc1, fc2.w | ln1, ln2, dense.b, fc2.b

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from eth.cluster import Cluster, catalog, load_cluster
+from eth.spec.cluster import Cluster, catalog, load_cluster
 from eth.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,12 @@ from types import SimpleNamespace as NS
 import pytest
 
 from _foundation_data import RESERVED
-from eth.cost import CostModel, eq1_pipeline_ms, eq5_end_times, eq6_allreduce_ms, recompute_runs
-from eth.model import LAYER_OPS
-from eth.precision import TrainSetup
-from eth.profiles import COLLECTIVE_ALPHA_MS
+from eth.cost.equations import eq1_pipeline_ms, eq5_end_times, eq6_allreduce_ms
+from eth.cost.model import CostModel
+from eth.spec.model import recompute_runs
+from eth.spec.model import LAYER_OPS
+from eth.spec.precision import TrainSetup
+from eth.profiles.db import COLLECTIVE_ALPHA_MS
 
 P2P_64B = 64 / (10e9 / 8 / 1e3) + COLLECTIVE_ALPHA_MS   # one 64-byte activation over a 10 Gbit/s link
 
@@ -102,13 +104,13 @@ def test_recomputed_run_is_held_again_in_the_backward(tiny, cpu_cluster, flat_db
     # freed its 1152 bytes, more than the 1088 it holds again
     one = cm.stage_cost("cpu", 1, 1, (1, 3), 1, {op: 1 for op in LAYER_OPS}, **kw)
     assert one.act_bytes == 1152 + 64 and _transient(one, cm) == 848
-    assert CostModel._remat_bytes(cm.profiles.layer_costs("cpu", tiny, 1, 1)[0], {op: 1 for op in LAYER_OPS},
+    assert CostModel.remat_bytes(cm.profiles.layer_costs("cpu", tiny, 1, 1)[0], {op: 1 for op in LAYER_OPS},
                                   2) == 0
     # three layers, gelu..mlp-gemm-2 recomputed in all, the whole layer in the first: the
     # whole layer is reached after two layers of 1152 - (256 + 256 - 256) = 896 each
     ops = cm.profiles.layer_costs("cpu", tiny, 1, 1)[0]
     mixed = {op: 1 for op in LAYER_OPS} | {"gelu": 3, "mlp-gemm-2": 3}
-    assert CostModel._remat_bytes(ops, mixed, 3) == 256
+    assert CostModel.remat_bytes(ops, mixed, 3) == 256
 
 
 def test_tp_adds_collectives(tiny, cpu_cluster, flat_db):
@@ -166,7 +168,7 @@ def test_evaluate_uses_eq5_with_allreduce(tiny, cpu_cluster, flat_db):
 
 
 def test_boundary_sends_use_the_link_to_each_neighbour(tiny, flat_db):
-    from eth.cluster import Cluster
+    from eth.spec.cluster import Cluster
     two_nodes = Cluster.from_dict({"inter_node_gbps": 1, "intra_node_gbps": 100,
                                    "nodes": [{"type": "cpu", "devices_per_node": 2, "count": 2}]})
     cm = CostModel(tiny, two_nodes, flat_db)
@@ -182,7 +184,7 @@ def test_boundary_sends_use_the_link_to_each_neighbour(tiny, flat_db):
 
 def test_parameter_count_uses_the_profile_element_size(tiny, cpu_cluster):
     from _foundation_data import flat_profile
-    from eth.profiles import DeviceProfile, ProfileDB
+    from eth.profiles.db import DeviceProfile, ProfileDB
     data = flat_profile()
     for e in data["models"][0]["entries"]:               # an fp32 profile: 4 bytes per weight
         for vals in e["ops"].values():
@@ -200,8 +202,8 @@ def test_parameter_count_uses_the_profile_element_size(tiny, cpu_cluster):
 
 def test_measured_collective_tables_apply_inside_a_node(tiny):
     from _foundation_data import flat_profile
-    from eth.cluster import Cluster
-    from eth.profiles import DeviceProfile, ProfileDB
+    from eth.spec.cluster import Cluster
+    from eth.profiles.db import DeviceProfile, ProfileDB
     data = flat_profile()
     data["collectives"] = {"all_reduce": {"2": [[1, 0.5], [1000, 0.5]]}, "p2p": {"2": [[1, 0.25], [1000, 0.25]]}}
     db = ProfileDB({"cpu": DeviceProfile(data)})
@@ -220,7 +222,7 @@ def test_measured_collective_tables_apply_inside_a_node(tiny):
 def test_tp_collectives_not_added_when_op_times_include_them(tiny, cpu_cluster):
     from _foundation_data import flat_profile
     from eth.errors import ProfileError
-    from eth.profiles import DeviceProfile, ProfileDB
+    from eth.profiles.db import DeviceProfile, ProfileDB
     data = flat_profile()
     data["tp_comm_included"] = True       # measured with a real tp group (e.g. an Aceso import)
     cm = CostModel(tiny, cpu_cluster, ProfileDB({"cpu": DeviceProfile(data)}))

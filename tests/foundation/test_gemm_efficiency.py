@@ -1,4 +1,4 @@
-"""GEMM efficiency curve of analytic profiles (eth/gemm_efficiency.py): shape of the curve,
+"""GEMM efficiency curve of analytic profiles (eth/profiles/gemm_efficiency.py): shape of the curve,
 the fit recovers known parameters, the shipped CPU fit is reproducible from the shipped
 measured profile; the GPU fits' readers of the published originals (Aceso op CSVs, XLA's
 GEMM perf table; none of that data is shipped) on small hand-written files in their
@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eth.cluster import catalog
+from eth.spec.cluster import catalog
 from eth.errors import ProfileError
-from eth.gemm_efficiency import (GEMM_OPS, GemmEfficiency, aceso_points, efficiency_for, fit, gemm_dims,
-                                 gemm_points, main, parse_txtpb, xla_points)
-from eth.model import ALL_OPS, ModelSpec, get_model, op_shapes
-from eth.profiles import GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, analytic_op_costs, load_profile
+from eth.cli.fit_gemm_efficiency import main
+from eth.profiles.gemm_efficiency import GEMM_OPS, GemmEfficiency, efficiency_for, gemm_dims
+from eth.profiles.gemm_fit import aceso_points, fit, gemm_points, parse_txtpb, xla_points
+from eth.spec.model import ALL_OPS, ModelSpec, get_model, op_shapes
+from eth.profiles.db import GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, analytic_op_costs, load_profile
 
 from _foundation_data import ACESO_NAMES
 
@@ -141,7 +142,7 @@ def test_fit_recovers_gpu_like_parameters_on_the_aceso_shapes():
     assert curve.peak_eff == pytest.approx(0.9384, rel=1e-9) and stats["rms_rel_err"] < 1e-9
 
 
-# Aceso's op-profile CSV (eth/aceso.py): op names as Aceso writes them (ACESO_NAMES), times in us, sizes in MB.
+# Aceso's op-profile CSV (eth/profiles/aceso.py): op names as Aceso writes them (ACESO_NAMES), times in us, sizes in MB.
 SMALL = ModelSpec("M", 1, 256, 4, 1024, seq_len=128)
 
 
@@ -254,7 +255,7 @@ def test_txtpb_parser_and_xla_points(tmp_path, capsys):
 
 
 def test_an_unapplied_entry_leaves_the_analytic_profile_at_the_default(monkeypatch):
-    import eth.gemm_efficiency as ge
+    import eth.profiles.gemm_efficiency as ge
 
     tiny, a100 = get_model("tiny"), catalog()["A100"]
     entry = yaml.safe_load((ROOT / "eth/data/gemm_efficiency.yaml").read_text())["devices"]["A100"]

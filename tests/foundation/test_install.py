@@ -22,7 +22,7 @@ def test_imports_from_another_directory(tmp_path):
 
 
 def test_planner_never_imports_torch(tmp_path):
-    code = ("import sys, eth.cluster, eth.model, eth.profiles, eth.cost, eth.plan, eth.planner; "
+    code = ("import sys, eth.spec.cluster, eth.spec.model, eth.profiles.db, eth.cost.model, eth.spec.plan, eth.planner; "
             "print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,7 +2,7 @@
 import pytest
 
 from eth.errors import SpecError
-from eth.model import (ALL_OPS, LAYER_OPS, PRESETS, ModelSpec, get_model, op_shapes, tp_allgathers,
+from eth.spec.model import (ALL_OPS, LAYER_OPS, PRESETS, ModelSpec, get_model, op_shapes, tp_allgathers,
                        tp_allreduces)
 
 TINY = ModelSpec("t", num_layers=4, hidden=8, heads=2, ffn=32, seq_len=4, vocab=16, dropout=0.0)
@@ -96,7 +96,7 @@ LLAMA = ModelSpec("l", num_layers=2, hidden=8, heads=4, kv_heads=2, ffn=12, seq_
 def test_op_sets_follow_the_spec():
     from dataclasses import replace
 
-    from eth.model import all_ops, layer_ops
+    from eth.spec.model import all_ops, layer_ops
 
     assert all_ops(TINY) == ALL_OPS and layer_ops(TINY) == LAYER_OPS
     assert layer_ops(LLAMA) == ("1st-rmsnorm", "qkv", "rotary", "fused-attention", "attn-dense",
@@ -159,16 +159,17 @@ def test_fused_attention_keeps_no_s_by_s_tensor():
 
 
 def test_recompute_rule_for_fused_attention_and_rotary():
-    from eth.cost import CostModel, recompute_runs
-    from eth.model import layer_ops
+    from eth.cost.model import CostModel
+    from eth.spec.model import recompute_runs
+    from eth.spec.model import layer_ops
 
     ops = op_shapes(LLAMA, 1, 1)
     fa = ops["fused-attention"]
     # recomputing fused-attention frees its output and lse, keeps q, k, v (its input)
-    assert CostModel._recompute_savings(ops, {"fused-attention": 1}) == fa.act_bytes - fa.input_bytes == 128
+    assert CostModel.recompute_savings(ops, {"fused-attention": 1}) == fa.act_bytes - fa.input_bytes == 128
     # with rotary in the run the checkpoint keeps rotary's input instead (same size)
-    assert CostModel._recompute_savings(ops, {"rotary": 1, "fused-attention": 1}) == 128
-    assert CostModel._recompute_savings(ops, {"swiglu": 2, "mlp-gemm-2": 2}) == 2 * (4 * 12 * 2)
+    assert CostModel.recompute_savings(ops, {"rotary": 1, "fused-attention": 1}) == 128
+    assert CostModel.recompute_savings(ops, {"swiglu": 2, "mlp-gemm-2": 2}) == 2 * (4 * 12 * 2)
     assert recompute_runs({"rotary", "fused-attention", "swiglu"}, layer_ops(LLAMA)) == \
         [["rotary", "fused-attention"], ["swiglu"]]
 
@@ -191,7 +192,7 @@ def test_llama2_presets_published_shapes_and_counts():
 def test_legacy_specs_load_as_gpt_and_keep_their_hash(tmp_path):
     import json
 
-    from eth.plan import load_plan
+    from eth.spec.plan import load_plan
 
     legacy = {"name": "x", "num_layers": 2, "hidden": 8, "heads": 2, "ffn": 32, "seq_len": 4, "vocab": 16,
               "kv_heads": 2, "swiglu": False, "dropout": 0.0}
@@ -220,11 +221,11 @@ def test_layer_option_validation(kwargs, message):
 def test_profiles_and_plans_use_the_specs_op_set():
     from dataclasses import replace
 
-    from eth.cluster import Cluster, catalog
+    from eth.spec.cluster import Cluster, catalog
     from eth.errors import PlanError, ProfileError
-    from eth.model import all_ops
-    from eth.plan import PipelinePlan, Plan, StagePlan
-    from eth.profiles import DeviceProfile, analytic_profile
+    from eth.spec.model import all_ops
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
+    from eth.profiles.db import DeviceProfile, analytic_profile
 
     a100 = catalog()["A100"]
     data = analytic_profile(a100, [LLAMA, replace(LLAMA, attention="unfused")], (1, 2), (1, 2))
@@ -260,9 +261,9 @@ def test_cost_model_counts_the_qkv_all_gather_when_tp_exceeds_kv_heads():
     from dataclasses import replace
 
     from _foundation_data import flat_profile
-    from eth.cluster import Cluster
-    from eth.cost import CostModel
-    from eth.profiles import DeviceProfile, ProfileDB, collective_ms
+    from eth.spec.cluster import Cluster
+    from eth.cost.model import CostModel
+    from eth.profiles.db import DeviceProfile, ProfileDB, collective_ms
 
     cluster = Cluster.from_dict({"name": "c", "inter_node_gbps": 10,
                                  "nodes": [{"type": "cpu", "devices_per_node": 4}]})

@@ -63,9 +63,9 @@ def test_wheel_entry_points_are_importable_mains(wheel):
 
 
 def test_thin_tools_wrap_the_package_mains():
-    for tool, module in [("search_hpp", "eth.cli_search"), ("show_plan", "eth.cli_show"),
-                         ("make_profiles", "eth.cli_profiles"), ("profile_ops", "megatron.hpp.cli_profile"),
-                         ("preprocess_data", "megatron.hpp.cli_preprocess")]:
+    for tool, module in [("search_hpp", "eth.cli.search_hpp"), ("show_plan", "eth.cli.show_plan"),
+                         ("make_profiles", "eth.cli.make_profiles"), ("profile_ops", "megatron.hpp.cli.profile_ops"),
+                         ("preprocess_data", "megatron.hpp.cli.preprocess_data")]:
         text = (ROOT / "tools" / f"{tool}.py").read_text()
         assert f"from {module} import" in text and len(text.splitlines()) < 20, tool
 
@@ -77,7 +77,7 @@ def _run(module: str, *args):
 
 def test_search_refuses_a_directory_output_before_searching(tmp_path):
     # a 64-rank search would take minutes: the refusal comes first, on one line
-    proc = _run("eth.cli_search", "--model", "gpt3-13b", "--cluster", "examples/clusters/b2b4-64.yaml",
+    proc = _run("eth.cli.search_hpp", "--model", "gpt3-13b", "--cluster", "examples/clusters/b2b4-64.yaml",
                 "--gbs", "1024", "-o", str(tmp_path), "--no-progress")
     assert proc.returncode == 2
     assert proc.stderr == f"error: -o {tmp_path} is a directory; give a file name (e.g. {tmp_path / 'plan.json'})\n"
@@ -85,16 +85,16 @@ def test_search_refuses_a_directory_output_before_searching(tmp_path):
 
 
 def test_show_legend_explains_every_heading_and_op():
-    from eth.model import LAYER_OPS
-    from eth.report import OP_ABBREV
+    from eth.spec.model import LAYER_OPS
+    from eth.report.tables import OP_ABBREV
 
-    proc = _run("eth.cli_show", "--legend")
+    proc = _run("eth.cli.show_plan", "--legend")
     assert proc.returncode == 0, proc.stderr
     for word in ["Mbs", "Lbs", "TP/DP", "#L", "Recomp. Operator", "Fwd ms", "Mem GB", "Bubble", "Busy %"]:
         assert f"  {word} " in proc.stdout, word
     for op in LAYER_OPS:
         assert f"  {OP_ABBREV[op]:<5} {op} " in proc.stdout, op
-    assert _run("eth.cli_show").returncode == 2
+    assert _run("eth.cli.show_plan").returncode == 2
 
 
 def _profile_models(path):
@@ -103,7 +103,7 @@ def _profile_models(path):
 
 
 def test_make_profiles_merges_and_refuses_empty(tmp_path, capsys):
-    from eth.cli_profiles import main
+    from eth.cli.make_profiles import main
 
     out = tmp_path / "p"
     assert main(["--devices", "A100,RTX3090", "--models", "tiny,small", "-o", str(out)]) == 0

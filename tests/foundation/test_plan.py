@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 
 from _foundation_data import TINY
-from eth.cluster import Cluster
+from eth.spec.cluster import Cluster
 from eth.errors import PlanError, SpecError
-from eth.plan import PLAN_VERSION, PipelinePlan, Plan, StagePlan, load_plan
+from eth.spec.plan import PLAN_VERSION, PipelinePlan, Plan, StagePlan, load_plan
 
 MIXED = {"name": "mix", "inter_node_gbps": 10,
          "nodes": [{"type": "A100", "devices_per_node": 2}, {"type": "RTX3090", "devices_per_node": 2}]}

@@ -4,10 +4,10 @@ import json
 import pytest
 
 from _foundation_data import TINY, flat_profile
-from eth.cluster import catalog
+from eth.spec.cluster import catalog
 from eth.errors import ProfileError
-from eth.model import get_model, op_shapes
-from eth.profiles import (COLLECTIVE_ALPHA_MS, GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, MEMORY_EFFICIENCY,
+from eth.spec.model import get_model, op_shapes
+from eth.profiles.db import (COLLECTIVE_ALPHA_MS, GEMM_EFFICIENCY, KERNEL_OVERHEAD_MS, MEMORY_EFFICIENCY,
                           DeviceProfile, ProfileDB, analytic_profile, collective_ms,
                           load_profile, save_profile)
 
@@ -95,8 +95,8 @@ def test_analytic_roofline_numbers():
 
 
 def test_make_profiles_gemm_efficiency_fitted_opts_into_the_unapplied_curves(tmp_path, capsys):
-    from eth.cli_profiles import main
-    from eth.gemm_efficiency import GemmEfficiency, efficiency_for, gemm_dims
+    from eth.cli.make_profiles import main
+    from eth.profiles.gemm_efficiency import GemmEfficiency, efficiency_for, gemm_dims
 
     a100, tiny = catalog()["A100"], get_model("tiny")
     fitted = efficiency_for("A100", include_unapplied=True)
@@ -221,8 +221,8 @@ def test_bad_overheads_name_the_field(value, message):
 def test_cost_model_adds_overheads_per_layer_and_stage_and_emulation_wakes():
     from dataclasses import replace
 
-    from eth.cluster import Cluster
-    from eth.cost import CostModel
+    from eth.spec.cluster import Cluster
+    from eth.cost.model import CostModel
 
     cpu = catalog()["cpu"]
     cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10, "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
@@ -254,10 +254,10 @@ def test_cost_model_adds_overheads_per_layer_and_stage_and_emulation_wakes():
 def test_optimizer_step_is_added_per_stage_and_not_stretched_by_emulation():
     from dataclasses import replace
 
-    from eth.cluster import Cluster
-    from eth.cost import CostModel
-    from eth.plan import StagePlan
-    from eth.precision import TrainSetup
+    from eth.spec.cluster import Cluster
+    from eth.cost.model import CostModel
+    from eth.spec.plan import StagePlan
+    from eth.spec.precision import TrainSetup
 
     cpu = catalog()["cpu"]
     cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
@@ -278,9 +278,9 @@ def test_optimizer_step_is_added_per_stage_and_not_stretched_by_emulation():
 def _step_plan():
     """(cpu type, cluster, fp32 setup, plan) of the step-overhead tests: a dp 2 cpu stage
     (ranks 0-1) then an emulated cpu-e stage at speed 0.5 (rank 2), gbs 8, mbs 2."""
-    from eth.cluster import Cluster
-    from eth.plan import PipelinePlan, Plan, StagePlan
-    from eth.precision import TrainSetup
+    from eth.spec.cluster import Cluster
+    from eth.spec.plan import PipelinePlan, Plan, StagePlan
+    from eth.spec.precision import TrainSetup
 
     cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 10,
                                  "device_types": {"cpu-e": {"base": "cpu", "emulate_speed": 0.5}},
@@ -298,7 +298,8 @@ def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulatio
     emulated type pays it at host speed; without the field nothing changes."""
     from dataclasses import replace
 
-    from eth.cost import CostModel, eq5_end_times
+    from eth.cost.equations import eq5_end_times
+    from eth.cost.model import CostModel
 
     cpu, cluster, setup, plan = _step_plan()
     for data, step in ((_with_overheads(), (0.7, 0.05)), (flat_profile(mbs=(1, 2)), (0.0, 0.0))):
@@ -336,7 +337,8 @@ def test_step_allreduces_pay_the_measured_latency_over_the_plans_world():
     host speed too); a table for another size, or none, adds nothing."""
     from dataclasses import replace
 
-    from eth.cost import STEP_ALLREDUCES, CostModel
+    from eth.cost.equations import STEP_ALLREDUCES
+    from eth.cost.model import CostModel
 
     cpu, cluster, setup, plan = _step_plan()
     ends = {}

@@ -8,13 +8,13 @@ One node at 80 Gbit/s = 1e7 bytes/ms, so Eq. 6 is 2 x bytes x (N - 1) / N / 1e7 
 """
 import pytest
 
-from eth.cluster import Cluster
-from eth.cost import CostModel
-from eth.model import ModelSpec
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.precision import TrainSetup
-from eth.profiles import ProfileDB
-from eth.sync_cost import block_groups, group_sync_bytes, rank_state_bytes
+from eth.spec.cluster import Cluster
+from eth.cost.model import CostModel
+from eth.spec.model import ModelSpec
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.precision import TrainSetup
+from eth.profiles.db import ProfileDB
+from eth.cost.sync import block_groups, group_sync_bytes, rank_state_bytes
 
 M = ModelSpec("t4", num_layers=4, hidden=8, heads=4, ffn=32, seq_len=4, vocab=16, dropout=0.0)
 FP32_Z1 = TrainSetup("fp32", 1, "fp32")
@@ -121,8 +121,8 @@ def test_allreduce_segments_match_a_layer_by_layer_sum_on_random_plans():
     plans over two types on four nodes (intra-node, inter-node and inter-type links)."""
     import random
 
-    from eth.cost import eq6_allreduce_ms
-    from eth.sync_cost import block_split
+    from eth.cost.equations import eq6_allreduce_ms
+    from eth.cost.sync import block_split
 
     model = ModelSpec("t8", num_layers=8, hidden=8, heads=4, ffn=32, seq_len=4, vocab=16, dropout=0.0)
     two = Cluster.from_dict({"name": "two", "inter_node_gbps": 100, "inter_type_gbps": 25, "intra_node_gbps": 80,

@@ -2,7 +2,7 @@
 
 It shares nothing with :mod:`eth.planner` (no blocks, stage-group rules, balancer,
 recompute heuristic or Lbs allocation): it imports only the cost model
-(:class:`eth.cost.CostModel`, :func:`eth.cost.eq5_end_times`) and the plan dataclasses,
+(:class:`eth.cost.model.CostModel`, :func:`eth.cost.equations.eq5_end_times`) and the plan dataclasses,
 so its answer is the best plan of the space below by Eq. 5 + Eq. 6 and the memory model.
 
 The space: every plan the runtime can run on the cluster.
@@ -44,7 +44,7 @@ It is searched with three reductions, each exact:
     found exactly for stages of up to ``EXACT_RECOMPUTE_LAYERS`` layers (all count
     vectors, scored with the cost model's own savings of a layer's recompute set: the
     first n layers recompute {op: count > n}, less the run the backward holds again,
-    ``CostModel._remat_bytes``); a longer stage that does not fit without
+    ``CostModel.remat_bytes``); a longer stage that does not fit without
     recompute contributes its no-recompute time as a lower bound instead.  Choices are
     visited by that bound, so recompute is solved only where it could win.
     :attr:`Optimum.lower_bound` is the smallest time any plan of the space can have;
@@ -58,9 +58,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eth.cost import CostModel, eq5_end_times
-from eth.model import LAYER_OPS
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.cost.equations import eq5_end_times
+from eth.cost.model import CostModel
+from eth.spec.model import LAYER_OPS
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
 EXACT_RECOMPUTE_LAYERS = 2
 """Stages with at most this many layers get the exact recompute choice (3^13 count
@@ -148,7 +149,7 @@ def savings_per_layer(cost: CostModel, ops) -> np.ndarray:
     """sav1[mask]: bytes one layer frees recomputing the ops of bit ``mask`` (bit b =
     LAYER_OPS[b]): every maximal run of recomputed ops frees its ops' saved activations
     but keeps the input of its first op (the cost model's formula, vectorised here and
-    checked against CostModel._recompute_savings on sampled masks)."""
+    checked against CostModel.recompute_savings on sampled masks)."""
     key = tuple(ops[op] for op in LAYER_OPS)
     if key not in _SAVINGS:
         masks = np.arange(1 << len(LAYER_OPS))
@@ -164,7 +165,7 @@ def savings_per_layer(cost: CostModel, ops) -> np.ndarray:
         total += np.where(prev, np.maximum(run, 0.0), 0.0)
         rng = np.random.default_rng(len(_SAVINGS))
         for m in [0, len(masks) - 1, *rng.integers(0, len(masks), 64)]:
-            want = cost._recompute_savings(ops, {op: 1 for b, op in enumerate(LAYER_OPS) if m >> b & 1})
+            want = cost.recompute_savings(ops, {op: 1 for b, op in enumerate(LAYER_OPS) if m >> b & 1})
             assert abs(total[m] - want) <= 1e-6 * max(1.0, abs(want)), (m, total[m], want)
         _SAVINGS[key] = total
     return _SAVINGS[key]
@@ -173,7 +174,7 @@ def savings_per_layer(cost: CostModel, ops) -> np.ndarray:
 def longest_run_per_layer(ops) -> np.ndarray:
     """run1[mask]: the largest bytes one recomputed run of bit ``mask`` frees in a layer
     (max over its runs of max(act - input of the first op, 0)): what the backward holds
-    again when it re-runs that layer (``CostModel._remat_bytes``)."""
+    again when it re-runs that layer (``CostModel.remat_bytes``)."""
     key = tuple(ops[op] for op in LAYER_OPS)
     if key not in _RUNS:
         masks = np.arange(1 << len(LAYER_OPS))
@@ -192,7 +193,7 @@ def longest_run_per_layer(ops) -> np.ndarray:
 
 def remat_of_vectors(cost: CostModel, ops, layers: int) -> np.ndarray:
     """Per count vector of :func:`count_vectors`: the bytes the backward holds again
-    (``CostModel._remat_bytes``, vectorised and checked against it on sampled vectors):
+    (``CostModel.remat_bytes``, vectorised and checked against it on sampled vectors):
     layer l's longest run less the activations layers l+1.. of the micro-batch freed."""
     key = (tuple(ops[op] for op in LAYER_OPS), layers)
     if key not in _REMAT:
@@ -205,7 +206,7 @@ def remat_of_vectors(cost: CostModel, ops, layers: int) -> np.ndarray:
             behind += full - sav1[m]
         rng = np.random.default_rng(len(_REMAT))
         for i in [0, len(counts) - 1, *rng.integers(0, len(counts), 64)]:
-            want = cost._remat_bytes(ops, {op: int(k) for op, k in zip(LAYER_OPS, counts[i]) if k}, layers)
+            want = cost.remat_bytes(ops, {op: int(k) for op, k in zip(LAYER_OPS, counts[i]) if k}, layers)
             assert abs(remat[i] - want) <= 1e-6 * max(1.0, abs(want)), (counts[i], remat[i], want)
         _REMAT[key] = remat
     return _REMAT[key]

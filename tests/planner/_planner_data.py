@@ -3,9 +3,9 @@
 A uniquely named module (not conftest.py): test folders have no __init__.py, so every
 folder's conftest.py is the top-level module ``conftest`` and importing names from it
 reads whichever folder's conftest pytest loaded last."""
-from eth.cluster import Cluster
-from eth.model import ModelSpec
-from eth.profiles import ProfileDB
+from eth.spec.cluster import Cluster
+from eth.spec.model import ModelSpec
+from eth.profiles.db import ProfileDB
 
 
 def make_cluster(nodes, **extra) -> Cluster:

@@ -4,7 +4,7 @@ from dataclasses import fields
 
 import pytest
 
-from eth.cost import StageCost, eq5_end_times
+from eth.cost.equations import StageCost, eq5_end_times
 from eth.planner.allocate import allocate, exact_allocation, pipeline_line
 from eth.planner.bruteforce import lbs_vectors
 

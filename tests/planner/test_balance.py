@@ -1,11 +1,11 @@
 import pytest
 
-from eth.cost import CostModel
-from eth.model import ModelSpec
+from eth.cost.model import CostModel
+from eth.spec.model import ModelSpec
 from eth.planner.balance import balance, initial_state, split_layers
 from eth.planner.enumerate import assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluator, PipeState, StageState
-from eth.profiles import OP_FIELDS, PROFILE_VERSION, SHAPE_FIELDS, DeviceProfile, ProfileDB
+from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, SHAPE_FIELDS, DeviceProfile, ProfileDB
 
 from _planner_data import M6, make_cluster, profiles_for
 
@@ -76,7 +76,7 @@ def test_recompute_takes_ops_in_that_order_until_the_stage_fits(need, chosen):
     """A 2-layer stage whose memory is ``need`` bytes short: whole ops in the hand order,
     the last one in as few layers as fit.  One micro-batch is in flight, so the backward
     re-runs layer 1's recomputed runs before anything else is freed and holds the largest
-    (gelu's 1600) again (``CostModel._remat_bytes``); layer 0's runs come after layer 1
+    (gelu's 1600) again (``CostModel.remat_bytes``); layer 0's runs come after layer 1
     freed its 7775 bytes and add nothing.  (attn-dropout in one layer: 6500 - 1600 = 4900
     is 100 short of 5000.)"""
     probe = _hand_evaluator(1.0).cost.stage_cost("cpu", 1, 1, (0, 2), 1)
@@ -194,8 +194,8 @@ def shipped(model_name: str, cluster_name: str):
     with the repository's analytic profiles."""
     from pathlib import Path
 
-    from eth.cluster import load_cluster
-    from eth.model import get_model
+    from eth.spec.cluster import load_cluster
+    from eth.spec.model import get_model
     root = Path(__file__).resolve().parents[2]
     model = get_model(model_name)
     cluster = load_cluster(root / "examples" / "clusters" / f"{cluster_name}.yaml")

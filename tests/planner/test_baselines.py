@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from eth.cost import CostModel
+from eth.cost.model import CostModel
 from eth.errors import InfeasibleError, PlanError, ProfileError, SpecError
-from eth.model import LAYER_OPS, ModelSpec, get_model
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.model import LAYER_OPS, ModelSpec, get_model
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines import BASELINES, plan_baseline
 from eth.planner.baselines.common import RECOMPUTE_MODES, StageRecomputeEvaluator
 from eth.planner.bruteforce import compositions, lbs_vectors, pipeline_configs
@@ -231,8 +231,8 @@ SLOWER = {
 """Small cases (from the seeded suite of test_search_core.py) on which the HPP search
 without seeds is slower than a baseline, with the numbers measured (none known)."""
 SMALL = {
-    # once slower, until the cost model counted the backward's transient memory (eth.cost
-    # _backward_bytes, _remat_bytes): unseeded HPP 26.25 ms (mbs 4), uniform/metis/
+    # once slower, until the cost model counted the backward's transient memory (eth.cost.model
+    # backward_bytes, remat_bytes): unseeded HPP 26.25 ms (mbs 4), uniform/metis/
     # hexiscale 25.58 ms (mbs 8, attention core recomputed); now all 26.25 ms
     "1 A100 of 3 GB, gbs 16": (
         M4, [{"type": "A100", "devices_per_node": 1}], {"A100": {"memory_gb": 3}}, 16, (), ""),

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from eth.cost import CostModel
+from eth.cost.model import CostModel
 from eth.errors import SpecError
-from eth.model import LAYER_OPS
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.model import LAYER_OPS
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines import plan_baseline
 from eth.planner.baselines.common import BaselineOptions, proportional_split
 from eth.planner.baselines.hexiscale import fixed_micro
@@ -30,7 +30,7 @@ CASES = {   # name: (model, nodes, extra cluster fields, gbs)
     "4A+4R small memory": (M6, A4R4, {"device_types": {"A100": {"memory_gb": 2.2},
                                                        "RTX3090": {"memory_gb": 1.7}}}, 16),
     # HexiScale needs its global recompute flag here (in "small memory" even that does not
-    # fit: a fully recomputed layer is held again in the backward, CostModel._remat_bytes)
+    # fit: a fully recomputed layer is held again in the backward, CostModel.remat_bytes)
     "4A+4R memory for HexiScale": (M6, A4R4, {"device_types": {"A100": {"memory_gb": 2.6},
                                                                "RTX3090": {"memory_gb": 2.0}}}, 16),
     # 400 Gbit/s between nodes: a stage of 1 A100 + the RTX3090 beats every single-type layout
@@ -318,7 +318,7 @@ def test_strong_versions_never_slower_than_faithful(name):
 
 
 def test_old_plans_with_the_old_strategy_names_still_load(tmp_path):
-    from eth.plan import load_plan
+    from eth.spec.plan import load_plan
     model, cluster, db, gbs = setup("2A+2R gbs16")
     plan = plan_baseline("metis-strong", model, cluster, db, gbs)
     plan.search = {"strategy": "metis"}            # as written before the split

@@ -8,11 +8,11 @@ computing each call from scratch, returns.
 """
 import random
 
-from eth.cluster import Cluster
-from eth.cost import CostModel
-from eth.model import LAYER_OPS, get_model
+from eth.spec.cluster import Cluster
+from eth.cost.model import CostModel
+from eth.spec.model import LAYER_OPS, get_model
 from eth.planner.evaluate import Evaluator, StageState
-from eth.profiles import ProfileDB
+from eth.profiles.db import ProfileDB
 
 
 def _setup():

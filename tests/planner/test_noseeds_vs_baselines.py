@@ -19,7 +19,7 @@ import random
 import pytest
 
 from eth.errors import InfeasibleError
-from eth.model import ModelSpec
+from eth.spec.model import ModelSpec
 from eth.planner.baselines import plan_baseline
 from eth.planner.baselines.common import BASELINES
 from eth.planner.options import SearchOptions

@@ -43,9 +43,9 @@ def _relaxed(lines, gbs):
 def test_floor_bounds_every_trial_and_the_scan_picks_as_allocating_all(model, memory, gbs):
     s = _searched(model, memory, gbs)
     allocated = skipped = 0
-    for cand in s._top:
+    for cand in s.top:
         trials = list(_trials(s, cand))
-        got = [s._allocate(t) for t in trials]
+        got = [s.allocate(t) for t in trials]
         times = [g[1] if g is not None else math.inf for g in got]
         for t, ms in zip(trials, times):
             floor = allocation_floor(s, t)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eth.cost import CostModel
-from eth.cost_floors import _recompute_hull
+from eth.cost.model import CostModel
+from eth.cost.floors import _recompute_hull
 from eth.planner import bounds
-from eth.model import LAYER_OPS
+from eth.spec.model import LAYER_OPS
 from eth.planner.bounds import split_floor, split_floors, stage_group_floor, sum_floors
 from eth.planner.enumerate import make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator, PipeState, StageState

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from eth.cost import CostModel
-from eth.model import UNFUSED_ATTENTION_OPS, layer_ops
+from eth.cost.model import CostModel
+from eth.spec.model import UNFUSED_ATTENTION_OPS, layer_ops
 from eth.planner.evaluate import Evaluator, StageState
 from eth.planner.options import SearchOptions
 from eth.planner.recompute_runs import RunEvaluator
@@ -87,7 +87,7 @@ def test_the_search_uses_runs_and_is_not_slower_on_a_memory_starved_device():
     """2 A100 of 2 GB, gbs 16: a recomputed run makes the searched plan faster than the op
     order's choice (17.644 vs 17.7745 ms when written).  The 1 A100 of 3 GB case of
     test_baselines.py no longer shows it: since the memory model counts the re-materialised
-    run (eth.cost ``_remat_bytes``) the op order's fit there is as fast.  Compared without
+    run (eth.cost.model ``remat_bytes``) the op order's fit there is as fast.  Compared without
     the polish: its last step cuts the best plan's recompute to a locally least set
     (eth.planner.polish.least_recompute), which reaches 17.6225 ms from either choice."""
     cluster = make_cluster([{"type": "A100", "devices_per_node": 2}], device_types={"A100": {"memory_gb": 2}})

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from eth.cost import CostModel
+from eth.cost.model import CostModel
 from eth.errors import InfeasibleError, SpecError
-from eth.model import ModelSpec, get_model
-from eth.plan import load_plan
+from eth.spec.model import ModelSpec, get_model
+from eth.spec.plan import load_plan
 from eth.planner.bruteforce import brute_force
 from eth.planner.options import SearchOptions
 from eth.planner.search import search
@@ -187,7 +187,7 @@ def test_time_limit_is_reported():
 
 
 def test_summary_lists_every_stage():
-    from eth.report import format_plan_table, format_search_line
+    from eth.report.tables import format_plan_table, format_search_line
     model, cluster, db, gbs = setup("small memory (tp + recompute)")
     plan = search(model, cluster, db, SearchOptions(gbs=gbs))
     text = format_plan_table(plan)
@@ -271,7 +271,7 @@ def test_small_batch_reaches_the_seeds_plans_without_them():
     start now raises tp until an mbs divides the batch and, with fewer than 2 micro-batches
     per stage, also tries each stage's largest tp: the search alone is at least as fast
     as every seed, so no seed wins."""
-    from eth.cluster import load_cluster
+    from eth.spec.cluster import load_cluster
     cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/b2b4-64.yaml")
     model = get_model("gpt3-13b")
     db = profiles_for(model, cluster)
@@ -290,7 +290,7 @@ def test_few_micro_batches_move_every_stage_tp_at_once():
     With fewer than 2 micro-batches per stage the balancer also doubles / halves the tp of
     every stage of the bottleneck's type, or of every stage, at once; the unseeded search
     then reaches it (700.8 ms; 743.5 ms before)."""
-    from eth.cluster import load_cluster
+    from eth.spec.cluster import load_cluster
     from eth.planner.baselines import plan_baseline
     cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/b2b4-64.yaml")
     model = get_model("gpt3-13b")

@@ -34,8 +34,8 @@ the optimum, 6 cases above 1%: #35 13.3%, #226 8.1%, #112 3.5%, #49 3.0%, #210 2
 before mean 0.48%, p95 2.65%, max 16.0%, 11 above 1%; after 0 / 0 / 0, all at the
 optimum.)
 
-(With the backward's transient memory in the cost model -- ``CostModel._backward_bytes``,
-``_remat_bytes`` -- one case fewer has a proven optimum; before it: 155 and 148 cases.
+(With the backward's transient memory in the cost model -- ``CostModel.backward_bytes``,
+``remat_bytes`` -- one case fewer has a proven optimum; before it: 155 and 148 cases.
 Before issue 11's earlier polish changes -- re-planned choices scored with free Mbs, a
 second round; the second warm start -- core + polish had 20 of 155 cases above 1%, p95
 3.4%.)
@@ -53,10 +53,10 @@ import statistics
 import numpy as np
 import pytest
 
-from eth.cost import CostModel
+from eth.cost.model import CostModel
 from eth.errors import InfeasibleError
-from eth.model import LAYER_OPS, ModelSpec
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.model import LAYER_OPS, ModelSpec
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.bruteforce import brute_force
 from eth.planner.evaluate import Evaluator, StageState
 from eth.planner.options import SearchOptions
@@ -110,7 +110,7 @@ def test_reference_recompute_is_the_cheapest_that_fits():
     ops, _ = db.layer_costs("RTX3090", M2, 4, 1)
     sav1 = savings_per_layer(ref.cost, ops)
     for m in range(0, len(sav1), 97):   # the vectorised savings are the cost model's
-        assert sav1[m] == pytest.approx(ref.cost._recompute_savings(
+        assert sav1[m] == pytest.approx(ref.cost.recompute_savings(
             ops, {op: 1 for b, op in enumerate(LAYER_OPS) if m >> b & 1}), rel=1e-12, abs=1e-6)
     c0 = ref.cost.stage_cost("RTX3090", 1, 1, (0, 2), 4, None, 0, 1, 2)
     need = c0.act_bytes - (c0.capacity_bytes - (c0.memory_bytes - c0.inflight * c0.act_bytes)) / c0.inflight

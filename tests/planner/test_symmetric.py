@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from eth.cost import CostModel
-from eth.model import ModelSpec
+from eth.cost.model import CostModel
+from eth.spec.model import ModelSpec
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult
 from eth.planner.search import HPPSearch, search
@@ -126,5 +126,5 @@ def test_symmetric_descent_keeps_the_group_symmetric_and_ends_at_a_local_optimum
         if not e.feasible:
             continue
         trial = [replace(first, state=state, evaluation=e, batch=lbs)] * 2
-        got = child._allocate(trial)
+        got = child.allocate(trial)
         assert got is None or got[1] >= done.iteration_ms * (1 - 1e-9)

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from eth.errors import InfeasibleError
-from eth.model import get_model
+from eth.spec.model import get_model
 from eth.planner.enumerate import TimeUp, count_groups, device_groups
 from eth.planner.options import SearchOptions
 from eth.planner.polish import polish
@@ -77,8 +77,8 @@ def test_one_clock_and_progress_bar_for_search_and_baselines():
     import math
 
     from eth.planner import progress, search as search_module
-    from eth.planner.baselines import common
-    assert common.Clock is progress.Clock and common.progress_bar is progress.progress_bar
+    from eth.planner.baselines import typesplit
+    assert typesplit.Clock is progress.Clock and typesplit.progress_bar is progress.progress_bar
     assert search_module.Clock is progress.Clock and search_module.progress_bar is progress.progress_bar
     free = Clock(0)
     assert not free.out() and free.deadline == math.inf and not free.hit

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from eth.cluster import load_cluster
-from eth.model import ModelSpec, get_model
+from eth.spec.cluster import load_cluster
+from eth.spec.model import ModelSpec, get_model
 from eth.planner.options import SearchOptions
 from eth.planner.search import HPPSearch
 

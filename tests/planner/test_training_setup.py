@@ -2,12 +2,12 @@
 from pathlib import Path
 
 from _planner_data import A2R2, M6, make_cluster, profiles_for
-from eth.cli_search import main as search_cli
-from eth.cost import CostModel
-from eth.plan import load_plan
+from eth.cli.search_hpp import main as search_cli
+from eth.cost.model import CostModel
+from eth.spec.plan import load_plan
 from eth.planner.options import SearchOptions
 from eth.planner.search import search
-from eth.precision import TrainSetup
+from eth.spec.precision import TrainSetup
 
 
 def test_zero_1_plans_use_the_memory_it_frees():

@@ -1,9 +1,9 @@
 """Small heterogeneous plans for the runtime tests (tiny fp32 GPT, dropout 0, gbs 16)."""
 from __future__ import annotations
 
-from eth.cluster import Cluster
-from eth.model import get_model
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.cluster import Cluster
+from eth.spec.model import get_model
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
 GBS = 16
 
@@ -71,7 +71,7 @@ def too_large_gbs_sum() -> Plan:
 def large_1024() -> Plan:
     """1024 ranks: 4 A100 pipelines (4 stages, tp 8 x dp 4) and 4 RTX3090 pipelines
     (8 stages, tp 4 x dp 4) of GPT-3 1.3B, lbs 160 / 96 (gbs 1024)."""
-    from eth.model import get_model
+    from eth.spec.model import get_model
 
     c = Cluster.from_dict({"name": "big", "inter_node_gbps": 200,
                            "nodes": [{"type": "A100", "devices_per_node": 8, "count": 64},

@@ -8,8 +8,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron.hpp.data import SyntheticData, batch
-from megatron.hpp.model import LN_EPS, all_specs, full_parameter
+from megatron.hpp.data.batches import SyntheticData, batch
+from eth.layout.params import all_specs
+from megatron.hpp.models.gpt import LN_EPS, full_parameter
 
 
 def forward_loss(spec, p, tokens):

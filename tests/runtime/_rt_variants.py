@@ -25,12 +25,12 @@ sys.path.insert(0, str(REPO))
 def run_variant(plan_path: str, out: Path, variant: dict) -> None:
     import torch
 
-    from megatron.hpp.grad_sync import gather_parameters
-    from megatron.hpp.topology import check_plan
-    from megatron.hpp.training import TrainConfig, Trainer
-    from eth.plan import load_plan
+    from megatron.hpp.distributed.grad_sync import gather_parameters
+    from megatron.hpp.parallel.topology import check_plan
+    from megatron.hpp.training.loop import TrainConfig, Trainer
+    from eth.spec.plan import load_plan
 
-    from eth.precision import TrainSetup
+    from eth.spec.precision import TrainSetup
 
     variant = dict(variant)
     name, training = variant.pop("name"), variant.pop("training", None)

@@ -1,4 +1,4 @@
-"""Checkpoints that survive a re-plan (megatron.hpp.checkpoint).
+"""Checkpoints that survive a re-plan (megatron.hpp.training.checkpoint).
 
 * The boxes a flat range of a piece is written as cover exactly that range (brute force).
 * 4 steps under plan A (7 ranks: two pipelines of different splits, a dp 2 stage, tp 2
@@ -19,12 +19,12 @@ import torch
 import _rt_plans as plans
 from _rt_reference import train_reference
 from _rt_spawn import launch
-from eth.blocks import Piece
+from eth.layout.blocks import Piece
 from eth.errors import SpecError
-from eth.params import ShardSpec
-from eth.plan import PipelinePlan
-from eth.precision import TrainSetup
-from megatron.hpp.checkpoint import _piece_boxes, check_loadable
+from eth.layout.params import ShardSpec
+from eth.spec.plan import PipelinePlan
+from eth.spec.precision import TrainSetup
+from megatron.hpp.training.checkpoint import _piece_boxes, check_loadable
 
 SCHEDULE = ["--lr", "2e-3", "--min-lr", "1e-4", "--warmup", "2", "--clip-grad", "0.5"]
 

@@ -9,8 +9,8 @@ learning-rate schedule computed independently by the reference):
   (the block-wise ZeRO 0 variant with one bucket per sub-block, so buffers are
   launched during the backward pass; the test checks that some were);
 * per rank, the bytes of weights, gradient buffers and optimizer state counted from
-  the tensors equal the cost model's prediction (eth.sync_cost.rank_state_bytes),
-  and the bytes of every collective group equal eth.sync_cost.group_sync_bytes;
+  the tensors equal the cost model's prediction (eth.cost.sync.rank_state_bytes),
+  and the bytes of every collective group equal eth.cost.sync.group_sync_bytes;
 * block-wise needs fewer collectives than tensor-wise and moves fewer bytes than
   device-wise on every rank;
 * bf16 (ZeRO 1), 20 steps: losses within 2e-3 relative and parameters within 0.02
@@ -34,9 +34,9 @@ import torch
 import _rt_plans as plans
 from _rt_reference import train_reference
 from _rt_spawn import REPO, launch
-from eth.plan import load_plan
-from eth.precision import TrainSetup
-from eth.sync_cost import group_sync_bytes, rank_state_bytes
+from eth.spec.plan import load_plan
+from eth.spec.precision import TrainSetup
+from eth.cost.sync import group_sync_bytes, rank_state_bytes
 
 ITERS, BF16_ITERS, TOL, CLIP = 4, 20, 1e-5, 0.5
 SCHEDULE = {"lr": 2e-3, "min_lr": 1e-4, "warmup": 2}

@@ -1,6 +1,6 @@
 """Micro-batches in flight under 1F1B: what the schedule keeps against what memory assumes.
 
-The cost model (eth/cost.py, memory of a stage) charges stage j of a pipeline with S
+The cost model (eth/cost/model.py, memory of a stage) charges stage j of a pipeline with S
 stages and M micro-batches for min(S - j, M) micro-batches of saved activations.  Here
 every rank of a plan runs the real ``one_f_one_b`` and ``StageComm`` in this process
 (only ``StageComm._post``, the one call into torch.distributed, completes at once), and
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import _rt_plans as plans
-from eth.cost import CostModel
-from eth.plan import PipelinePlan
-from eth.profiles import ProfileDB
-from megatron.hpp.schedule import ComputeClock, StageComm, one_f_one_b
-from megatron.hpp.topology import Layout, Topology
+from eth.cost.model import CostModel
+from eth.spec.plan import PipelinePlan
+from eth.profiles.db import ProfileDB
+from megatron.hpp.parallel.schedule import ComputeClock, StageComm, one_f_one_b
+from megatron.hpp.parallel.topology import Layout, Topology
 from test_schedule_p2p import _Model
 
 

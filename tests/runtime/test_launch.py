@@ -1,13 +1,13 @@
-"""megatron/hpp/launch.py: the start-up check of the rank order against the cluster's
+"""megatron/hpp/parallel/launch.py: the start-up check of the rank order against the cluster's
 node-major order (pure), against brute force over small host assignments, and once
 under two gloo ranks."""
 import itertools
 
 import pytest
 
-from eth.cluster import Cluster
+from eth.spec.cluster import Cluster
 from eth.errors import SpecError
-from megatron.hpp.launch import RankHost, check_rank_order, expected_node_order, host_blocks
+from megatron.hpp.parallel.launch import RankHost, check_rank_order, expected_node_order, host_blocks
 
 MIXED = Cluster.from_dict({"name": "mixed", "inter_node_gbps": 100, "nodes": [
     {"type": "A100", "devices_per_node": 4, "count": 2}, {"type": "RTX3090", "devices_per_node": 2}]})
@@ -86,8 +86,8 @@ def test_check_launch_on_two_gloo_ranks(tmp_path):
 
     script = tmp_path / "check.py"
     script.write_text(
-        "import torch.distributed as dist; from eth.cluster import Cluster; "
-        "from megatron.hpp.launch import check_launch; dist.init_process_group('gloo'); "
+        "import torch.distributed as dist; from eth.spec.cluster import Cluster; "
+        "from megatron.hpp.parallel.launch import check_launch; dist.init_process_group('gloo'); "
         "c = Cluster.from_dict({'name': 'c', 'inter_node_gbps': 1, 'nodes': ["
         "{'type': 'cpu', 'devices_per_node': 1, 'count': 2}]}); check_launch(c); print('ok'); "
         "dist.destroy_process_group()\n")

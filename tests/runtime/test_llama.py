@@ -1,6 +1,6 @@
 """LLaMA-family layers (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, no
 biases) and fused attention in the runtime, against a plain-torch LLaMA written here
-independently of megatron-core and of megatron/hpp/llama.py:
+independently of megatron-core and of megatron/hpp/models/llama.py:
 
 * one stage holding the whole tiny-llama (fused and unfused attention, tp 1) gives the
   reference loss and gradients (fp32, 1e-5), and its parameters are the spec's count;
@@ -43,7 +43,7 @@ def llama_loss(spec, p, tokens):
     import torch
     import torch.nn.functional as F
 
-    from megatron.hpp.model import LN_EPS
+    from megatron.hpp.models.gpt import LN_EPS
 
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     b, s = inputs.shape
@@ -82,7 +82,7 @@ def llama_loss(spec, p, tokens):
 
 
 def _spec(attention="fused", **kw):
-    from eth.model import get_model
+    from eth.spec.model import get_model
 
     return replace(get_model("tiny-llama"), attention=attention, **kw)
 
@@ -90,7 +90,7 @@ def _spec(attention="fused", **kw):
 # ------------------------------------------------------------------ plans (5 ranks, gbs 16)
 def _plans():
     import _rt_plans as rp
-    from eth.plan import PipelinePlan, Plan
+    from eth.spec.plan import PipelinePlan, Plan
 
     st = rp.stage
 
@@ -156,14 +156,14 @@ def _stage(spec, group, recompute=None, seed=3):
     import torch
 
     from megatron.hpp.compat import Backend, setup_rng
-    from megatron.hpp.model import GPTStage
+    from megatron.hpp.models.gpt import GPTStage
 
     tracker = setup_rng(Backend("gloo", torch.device("cpu")), 5, 11, 0)
     return GPTStage(spec, (0, spec.num_layers), True, True, group, tracker, recompute, seed=seed)
 
 
 def _loss_grads(spec, group, recompute=None):
-    from megatron.hpp.data import SyntheticData, batch
+    from megatron.hpp.data.batches import SyntheticData, batch
 
     stage = _stage(spec, group, recompute)
     stage.train()
@@ -176,7 +176,7 @@ def _loss_grads(spec, group, recompute=None):
 def test_stage_equals_plain_torch_llama_and_counts_parameters(group):
     import torch
 
-    from megatron.hpp.model import full_parameter
+    from megatron.hpp.models.gpt import full_parameter
 
     for attention in ("fused", "unfused"):
         spec = _spec(attention)
@@ -197,7 +197,7 @@ def test_gpt_with_fused_attention_equals_its_unfused_op_set(group):
     gradients as the paper's 13 ops; its recompute is exact too."""
     import torch
 
-    from eth.model import get_model
+    from eth.spec.model import get_model
 
     gpt = get_model("tiny")
     _, _, loss, grads = _loss_grads(gpt, group)
@@ -208,7 +208,7 @@ def test_gpt_with_fused_attention_equals_its_unfused_op_set(group):
 
 
 def test_recompute_of_any_op_changes_neither_loss_nor_gradients(group):
-    from eth.model import layer_ops
+    from eth.spec.model import layer_ops
 
     for attention in ("fused", "unfused"):
         spec = _spec(attention, dropout=0.2)     # masks (tracker and default RNG) must be replayed
@@ -225,7 +225,7 @@ def test_tp_must_divide_kv_heads_or_be_a_multiple():
     import _rt_plans as rp
 
     from eth.errors import PlanError
-    from eth.plan import PipelinePlan, Plan
+    from eth.spec.plan import PipelinePlan, Plan
 
     spec = _spec(hidden=96, heads=12, kv_heads=4, vocab=240)     # tp 6: 4 % 6 and 6 % 4 (megatron-core's rule)
     plan = Plan(model=spec, cluster=rp.cluster(6), gbs=16,
@@ -240,14 +240,14 @@ def test_tp_must_divide_kv_heads_or_be_a_multiple():
 def test_measured_saved_bytes_of_llama_ops_are_op_shapes():
     """The profiler's measurement (storages each op packs for backward, fp32) of every
     tiny-llama layer op at tp 1, 2 and 4 (> kv_heads), fused and unfused attention,
-    equals eth.model.op_shapes scaled to 4-byte elements, except the fp32 statistics,
+    equals eth.spec.model.op_shapes scaled to 4-byte elements, except the fp32 statistics,
     which do not scale: rmsnorm's rstd and fused attention's log-sum-exp are b x s
     (x local heads) x 4 bytes in both.  Unfused, as for the GPT (test_profile_ops): score
     counts the whole qkv storage (the formula's score + context; with 2 query heads per
     key/value head no copy of q is kept), context the probabilities again, softmax its
     causal mask."""
-    from eth.model import ACT_BYTES, layer_ops, op_shapes
-    from megatron.hpp.profiler import ProfileConfig, measure_entries
+    from eth.spec.model import ACT_BYTES, layer_ops, op_shapes
+    from megatron.hpp.profiling.ops import ProfileConfig, measure_entries
 
     E, b = 4, 2
     for attention in ("fused", "unfused"):
@@ -280,7 +280,7 @@ def test_sdpa_fused_attention_equals_the_unfused_ops():
     transformer-engine kernel is never picked for CPU tensors."""
     import torch
 
-    from megatron.hpp import llama
+    from megatron.hpp.models import llama
 
     qkv, shape = _random_qkv()
     fused = llama.fused_attention(qkv, *shape, 0.0, False)
@@ -292,7 +292,7 @@ def test_sdpa_fused_attention_equals_the_unfused_ops():
 def test_transformer_engine_attention_equals_sdpa_on_cuda():
     import torch
 
-    from megatron.hpp import llama
+    from megatron.hpp.models import llama
 
     qkv, shape = _random_qkv()
     if not torch.cuda.is_available() or not llama.te_available(qkv.cuda().bfloat16()):
@@ -309,7 +309,8 @@ def test_heterogeneous_plans_equal_single_process(tmp_path):
 
     from _rt_reference import train_reference
     from _rt_spawn import launch
-    from megatron.hpp.model import all_specs, full_parameter
+    from eth.layout.params import all_specs
+    from megatron.hpp.models.gpt import full_parameter
 
     plans = _plans()
     paths = []

@@ -7,12 +7,12 @@ import pytest
 
 import _rt_plans as plans
 import pretrain_gpt
-from eth.model import get_model
-from eth.plan import PipelinePlan
-from megatron.hpp.failures import (CommFailure, NanGuard, TrainingStopped, during, is_comm_error, short_reason,
+from eth.spec.model import get_model
+from eth.spec.plan import PipelinePlan
+from megatron.hpp.training.failures import (CommFailure, NanGuard, TrainingStopped, during, is_comm_error, short_reason,
                                    step_nonfinite)
-from megatron.hpp.metrics import MetricsLogger, model_flops_per_sample
-from megatron.hpp.training import StepResult
+from megatron.hpp.training.metrics import MetricsLogger, model_flops_per_sample
+from megatron.hpp.training.loop import StepResult
 
 
 def test_model_flops_match_megatrons_formula():

@@ -40,7 +40,7 @@ def world_of_one():
 def _measured_peak(bench, plan, tmp_path) -> float:
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron.hpp.training import TrainConfig, Trainer, prepare
+    from megatron.hpp.training.loop import TrainConfig, Trainer, prepare
 
     path = tmp_path / "plan.json"
     plan.save(path)
@@ -64,14 +64,14 @@ FULL = {op: 4 for op in ("1st-layernorm", "qkv", "score", "softmax", "attn-dropo
 @pytest.mark.parametrize("recompute", [{}, {"score": 2, "softmax": 2, "attn-dropout": 2, "context": 2}, FULL],
                          ids=["plain", "attention-recomputed", "fully-recomputed"])
 def test_one_rank_memory_prediction_matches_tensor_bytes(bench, world_of_one, tmp_path, recompute):
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
 
     plan = bench._plan("mem", [("cpu-a", 1)], [(4, 16, [([0], "cpu-a", 1, 1, (0, 4), recompute)])])
     predicted = bench.predict(plan, ProfileDB.load(REPO / "profiles/measured/cpu.json"))["memory_bytes"][0]
     measured = _measured_peak(bench, plan, tmp_path)
     # fp32 states (w 4 + g 4 + AdamW main weights and moments 12 bytes per parameter, ~4.5 MiB)
     # plus one micro-batch's saved activations (~2.7 MiB; with full recompute the layer
-    # inputs, ~0.3 MiB) plus the backward's transient (eth.cost: one op's gradients, ~0.1
+    # inputs, ~0.3 MiB) plus the backward's transient (eth.cost.model: one op's gradients, ~0.1
     # MiB; with full recompute also the layer the backward re-materialises, ~0.6 MiB,
     # without which the fully recomputed prediction was 11% low)
     assert measured > 5 * 2 ** 20
@@ -143,7 +143,7 @@ def test_step_phases_times_the_wrapped_calls_and_leaves_the_rest(bench):
 def _predicted_rank_compute(plan, db) -> list[float]:
     """Each rank's compute of one step as the cost model predicts it (micro-batches x its
     stage's forward + backward without tp collectives and p2p)."""
-    from eth.cost import CostModel
+    from eth.cost.model import CostModel
 
     db.ensure(plan.model, plan.cluster.types.values())
     cm = CostModel(plan.model, plan.cluster, db, plan.training)
@@ -158,7 +158,7 @@ def _predicted_rank_compute(plan, db) -> list[float]:
 def test_iteration_from_the_runs_compute_is_the_prediction_when_compute_is_as_predicted(bench):
     import predictor_composition
 
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
 
     db = ProfileDB.load(REPO / "profiles/measured/cpu.json")
     for name in ("het-3pipes", "demo", "pp2-rec"):
@@ -172,7 +172,7 @@ def test_iteration_from_the_runs_compute_is_the_prediction_when_compute_is_as_pr
 def test_iteration_from_the_runs_compute_moves_by_the_measured_compute(bench):
     import predictor_composition
 
-    from eth.profiles import ProfileDB
+    from eth.profiles.db import ProfileDB
 
     db = ProfileDB.load(REPO / "profiles/measured/cpu.json")
     plan = bench.CONFIGS["1st"][1]()        # one stage, tp 1: no p2p, no tp collectives

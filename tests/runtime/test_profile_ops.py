@@ -1,6 +1,6 @@
-"""tools/profile_ops.py + megatron/hpp/profiler.py and profile_file.py on the CPU: the
+"""tools/profile_ops.py + megatron/hpp/profiling/ops.py and profile_file.py on the CPU: the
 written profile loads and serves every profiled (mbs, tp); measured sizes against
-eth.model.op_shapes; the composed ops reproduce GPTStage; bad input; merging;
+eth.spec.model.op_shapes; the composed ops reproduce GPTStage; bad input; merging;
 collectives on 2 gloo ranks.
 No timing thresholds: times are only checked to be positive and finite.
 
@@ -30,9 +30,9 @@ from dataclasses import replace
 import pytest
 
 from _rt_spawn import REPO, launch
-from eth.cli import run_main
-from eth.model import ACT_BYTES, ALL_OPS, get_model, op_shapes
-from eth.profiles import ProfileDB, collective_ms, load_profile, save_profile
+from eth.cli.common import run_main
+from eth.spec.model import ACT_BYTES, ALL_OPS, get_model, op_shapes
+from eth.profiles.db import ProfileDB, collective_ms, load_profile, save_profile
 
 sys.path.insert(0, str(REPO / "tools"))
 import profile_ops  # noqa: E402
@@ -81,14 +81,14 @@ def test_file_loads_and_serves_every_entry(measured, capsys):
 def test_overheads_are_measured_and_their_arithmetic_is_per_round(measured):
     """Every measured entry carries overhead_ms (finite numbers); stage_overheads on
     hand-made rounds gives the per-round differences' medians."""
-    from megatron.hpp.profile_overheads import stage_overheads
+    from megatron.hpp.profiling.overheads import stage_overheads
 
     for e in load_profile(measured).data["models"][0]["entries"]:
         oh = e["overhead_ms"]
         assert set(oh) == {"layer", "stage", "wake", "checkpoint", "checkpoint_op", "optimizer", "step"}
         assert oh["step"][0] > 0 and oh["step"][1] > 0
         assert all(math.isfinite(v) for pair in oh.values() for v in pair)
-    from eth.model import all_ops, layer_ops
+    from eth.spec.model import all_ops, layer_ops
 
     names = all_ops(TINY)
     # round r: every op fwd 1 ms, bwd 2 ms (chained backward 0.5 x their sum: share 0.5);
@@ -187,7 +187,7 @@ def test_sizes_scale_linearly_with_mbs(measured):
 
 
 def test_dropout_masks_are_measured():
-    from megatron.hpp.profiler import ProfileConfig, measure_entries
+    from megatron.hpp.profiling.ops import ProfileConfig, measure_entries
 
     spec = replace(TINY, dropout=0.1)
     cfg = ProfileConfig(spec, "cpu", (2,), (2,), "bf16", repeats=1, warmup=0)
@@ -204,14 +204,15 @@ def test_composed_ops_reproduce_the_stage():
     import torch
 
     from megatron.hpp.compat import Backend, setup_rng
-    from megatron.hpp.model import GPTStage
-    from megatron.hpp.profiler import _fake_tp_group, _initialised_default_group, build_ops, op_inputs
+    from megatron.hpp.models.gpt import GPTStage
+    from megatron.hpp.profiling.ops import build_ops, op_inputs
+    from megatron.hpp.profiling.timing import fake_tp_group, initialised_default_group
 
     cpu = torch.device("cpu")
-    with _initialised_default_group():
+    with initialised_default_group():
         ops, stage, layer = build_ops(TINY, 1, cpu, torch.float32, 7)
         env = op_inputs(TINY, ops, 2, cpu, 7)
-        ref = GPTStage(TINY, (0, 1), True, True, _fake_tp_group(1),
+        ref = GPTStage(TINY, (0, 1), True, True, fake_tp_group(1),
                        setup_rng(Backend("gloo", cpu), 7, 7, 0), seed=7)
         ref.layers[0].load_state_dict(layer.state_dict())
         with torch.no_grad():
@@ -224,8 +225,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     analytic = tmp_path / "analytic.json"
-    from eth.cluster import catalog
-    from eth.profiles import analytic_profile
+    from eth.spec.cluster import catalog
+    from eth.profiles.db import analytic_profile
 
     save_profile(analytic_profile(catalog()["cpu"], [TINY], (1,), (1,)), analytic)
     cases = [(["--model", "nope", "-o", str(out)], "unknown model 'nope'"),
@@ -300,7 +301,7 @@ def test_collectives_on_two_gloo_ranks(tmp_path):
 def test_device_type_warning_on_cpu(tmp_path, capsys):
     import torch
 
-    from megatron.hpp.profiler import device_type_warning
+    from megatron.hpp.profiling.ops import device_type_warning
 
     cpu = torch.device("cpu")
     assert device_type_warning("cpu", cpu) is None and device_type_warning("cpu-fast", cpu) is None
@@ -322,11 +323,11 @@ def test_real_tp_group_measures_with_the_collectives(measured):
     flag, the cost model's use of it).  Sizes must equal the fake group's exactly (same
     shards); the model entry says tp_comm_included, so the cost model adds no tp
     collectives of its own for it, and does for the fake-group profile."""
-    from eth.cluster import Cluster
-    from eth.cost import CostModel
-    from eth.precision import TrainSetup
-    from eth.profiles import DeviceProfile
-    from megatron.hpp import profile_file, profiler
+    from eth.spec.cluster import Cluster
+    from eth.cost.model import CostModel
+    from eth.spec.precision import TrainSetup
+    from eth.profiles.db import DeviceProfile
+    from megatron.hpp.profiling import file as profile_file, ops as profiler
 
     cfg = profiler.ProfileConfig(TINY, "cpu", (1, 2), (2,), repeats=2, warmup=1, overheads=False, real_tp=True)
     got = profiler.measure_entries(cfg, torch_cpu())

@@ -1,22 +1,22 @@
 """Recompute frees what the cost model assumes (no process group: a fake tp group).
 
-eth.cost frees, for a maximal run of consecutive recomputed ops of a layer, the saved
+eth.cost.model frees, for a maximal run of consecutive recomputed ops of a layer, the saved
 activations of the run's ops except the input of the run's first op.  The runtime
 checkpoints each such run as ONE callable; these tests measure the unique storages a
 layer's forward saves for backward (``saved_tensors_hooks``) with and without the run
-recomputed and compare the difference with ``CostModel._recompute_savings`` over
-``eth.model.op_shapes`` (scaled from its 2-byte activations to fp32).
+recomputed and compare the difference with ``CostModel.recompute_savings`` over
+``eth.spec.model.op_shapes`` (scaled from its 2-byte activations to fp32).
 """
 from dataclasses import replace
 
 import pytest
 import torch
 
-from eth.cost import CostModel
-from eth.model import ACT_BYTES, get_model, op_shapes
+from eth.cost.model import CostModel
+from eth.spec.model import ACT_BYTES, get_model, op_shapes
 from megatron.hpp.compat import Backend, setup_rng
-from megatron.hpp.model import Layer
-from megatron.hpp.profiler import _fake_tp_group, _initialised_default_group
+from megatron.hpp.models.gpt import Layer
+from megatron.hpp.profiling.timing import fake_tp_group, initialised_default_group
 
 MBS = 2
 FP32 = 4
@@ -40,7 +40,7 @@ def _saved_bytes(layer, x) -> int:
 
 
 def _layer(spec, tp, recompute):
-    group = _fake_tp_group(tp)
+    group = fake_tp_group(tp)
     tracker = setup_rng(Backend("gloo", torch.device("cpu")), 5, 5, 0)
     layer = Layer(spec, 0, group, tracker, frozenset(recompute))
     gen = torch.Generator().manual_seed(0)
@@ -53,7 +53,7 @@ def _layer(spec, tp, recompute):
 def _freed(spec, tp, run) -> int:
     x = torch.randn(spec.seq_len, MBS, spec.hidden, generator=torch.Generator().manual_seed(1),
                     requires_grad=True)
-    with _initialised_default_group():
+    with initialised_default_group():
         plain = _saved_bytes(_layer(spec, tp, ()), x)
         recomputed = _saved_bytes(_layer(spec, tp, run), x)
     return plain - recomputed
@@ -61,7 +61,7 @@ def _freed(spec, tp, run) -> int:
 
 def _predicted(spec, tp, run) -> float:
     shapes = op_shapes(spec, MBS, tp)
-    return CostModel._recompute_savings(shapes, {op: 1 for op in run}) * FP32 / ACT_BYTES
+    return CostModel.recompute_savings(shapes, {op: 1 for op in run}) * FP32 / ACT_BYTES
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -90,13 +90,13 @@ def test_attention_run_frees_the_cost_model_savings_up_to_the_mask(tp):
 
 def test_layer_index_decides_which_ops_form_a_run():
     """Layer k of a stage recomputes op iff recompute[op] > k; runs are found per layer."""
-    from megatron.hpp.model import GPTStage
+    from megatron.hpp.models.gpt import GPTStage
 
     spec = get_model("tiny")
     recompute = {"mlp-gemm-1": 2, "gelu": 1, "softmax": 1, "attn-dropout": 1}
-    with _initialised_default_group():
+    with initialised_default_group():
         tracker = setup_rng(Backend("gloo", torch.device("cpu")), 5, 5, 0)
-        stage = GPTStage(spec, (0, 3), True, True, _fake_tp_group(1), tracker, recompute)
+        stage = GPTStage(spec, (0, 3), True, True, fake_tp_group(1), tracker, recompute)
     checkpointed = [[ops for ops, _, _ in layer.segments if len(ops) > 1 or ops[0] in layer.recompute]
                     for layer in stage.layers]
     assert checkpointed == [[("softmax", "attn-dropout"), ("mlp-gemm-1", "gelu")],

@@ -63,7 +63,8 @@ def test_plan_matches_single_process(make_plan, reference, tmp_path):
     worst = max((saved["params"][k] - ref_params[k]).abs().max().item() for k in ref_params)
     assert worst < TOL, f"largest parameter difference {worst:.3g}"
     # The reference really moved the weights, so equality above is not trivial.
-    from megatron.hpp.model import all_specs, full_parameter
+    from eth.layout.params import all_specs
+    from megatron.hpp.models.gpt import full_parameter
     spec = plan.model
     moved = max((ref_params[s.name] - full_parameter(spec, s, 1234)).abs().max().item()
                 for s in all_specs(spec))

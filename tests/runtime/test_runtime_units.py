@@ -8,8 +8,8 @@ import torch
 import _rt_plans as plans
 from _rt_spawn import launch
 from eth.errors import PlanError
-from megatron.hpp import topology
-from megatron.hpp.data import SyntheticData, batch, overlaps, sample_range
+from megatron.hpp.parallel import topology
+from megatron.hpp.data.batches import SyntheticData, batch, overlaps, sample_range
 
 
 def test_layout_of_1024_rank_plan():
@@ -96,8 +96,8 @@ def test_data_is_deterministic_per_sample():
 
 
 def test_layer_runs_the_13_ops_in_order():
-    from eth.model import LAYER_OPS
-    from megatron.hpp.model import Layer
+    from eth.spec.model import LAYER_OPS
+    from megatron.hpp.models.gpt import Layer
 
     assert tuple(op[0] for op in Layer.OPS) == LAYER_OPS
 
@@ -105,7 +105,8 @@ def test_layer_runs_the_13_ops_in_order():
 def test_weights_do_not_depend_on_tp():
     import torch
 
-    from megatron.hpp.model import full_parameter, layer_specs
+    from eth.layout.params import layer_specs
+    from megatron.hpp.models.gpt import full_parameter
 
     spec = plans.two_pipelines_different_depth().model
     qkv = layer_specs(spec, 2)["qkv.weight"]
@@ -163,7 +164,7 @@ def _stage_grads(group, spec, recompute, calls):
     import torch
 
     from megatron.hpp.compat import Backend, setup_rng
-    from megatron.hpp.model import GPTStage
+    from megatron.hpp.models.gpt import GPTStage
 
     tracker = setup_rng(Backend("gloo", torch.device("cpu")), 5, 11, 0)
     stage = GPTStage(spec, (0, 2), True, True, group, tracker, recompute, seed=3)
@@ -183,7 +184,7 @@ def _stage_grads(group, spec, recompute, calls):
 def test_recompute_replays_ops_with_same_dropout_masks(world_of_one):
     from dataclasses import replace
 
-    from eth.model import get_model
+    from eth.spec.model import get_model
 
     spec = replace(get_model("tiny"), dropout=0.2)
     plain_calls, recompute_calls = [], []
@@ -203,7 +204,7 @@ def test_recompute_replays_ops_with_same_dropout_masks(world_of_one):
 
 
 def test_lr_schedule():
-    from megatron.hpp.training import TrainConfig
+    from megatron.hpp.training.loop import TrainConfig
 
     cfg = TrainConfig(plan="p.json", train_iters=10, lr=1.0, min_lr=0.1, warmup=2)
     assert [cfg.lr_at(i) for i in (0, 1)] == [0.5, 1.0]
@@ -212,7 +213,7 @@ def test_lr_schedule():
 
 
 def test_rng_seeds_differ_per_stage_not_per_tp_or_dp_replica():
-    from megatron.hpp.topology import rng_seeds
+    from megatron.hpp.parallel.topology import rng_seeds
 
     plan = plans.tp_stage_next_to_dp_stage()        # stages: [0] tp1, [1, 2] tp2, [3, 4] dp 2
     layout = topology.check_plan(plan, 5)
@@ -232,7 +233,7 @@ def test_rng_seeds_differ_per_stage_not_per_tp_or_dp_replica():
 
 
 def test_tp_node_warning():
-    from megatron.hpp.topology import tp_node_warning
+    from megatron.hpp.parallel.topology import tp_node_warning
 
     layout = topology.check_plan(plans.tp_stage_next_to_dp_stage(), 5)   # tp group (1, 2)
     assert tp_node_warning(layout, None) is None and tp_node_warning(layout, 5) is None
@@ -246,7 +247,7 @@ def test_tp_node_warning():
 
 
 def test_gradient_norm_is_fp64_accurate_on_large_buffers():
-    from megatron.hpp.grad_sync import NORM_ROW, squared_norm
+    from megatron.hpp.distributed.grad_sync import NORM_ROW, squared_norm
 
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(1_700_000, generator=gen) * 1e-3, torch.randn(3 * NORM_ROW, generator=gen),

@@ -14,9 +14,9 @@ waited.  Checks:
 import torch
 
 import _rt_plans as plans
-from eth.plan import PipelinePlan
-from megatron.hpp.schedule import ComputeClock, StageComm, one_f_one_b
-from megatron.hpp.topology import Layout, Topology
+from eth.spec.plan import PipelinePlan
+from megatron.hpp.parallel.schedule import ComputeClock, StageComm, one_f_one_b
+from megatron.hpp.parallel.topology import Layout, Topology
 
 NUM_MB = 6
 

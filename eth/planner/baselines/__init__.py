@@ -11,8 +11,8 @@
 | ``hexiscale-strong`` | k identical pipelines, dp = 1 per stage, layers balanced by time, Mbs searched, recompute per stage | :mod:`.hexiscale_strong` |
 | ``typesplit`` | homogeneous pipelines per device type, HPP phases 1-3 | :mod:`.typesplit` |
 
-All use the same profiles and :class:`eth.cost.CostModel` as the HPP search, return a
-validated :class:`eth.plan.Plan` with predictions (:meth:`CostModel.annotate`) and
+All use the same profiles and :class:`eth.cost.model.CostModel` as the HPP search, return a
+validated :class:`eth.spec.plan.Plan` with predictions (:meth:`CostModel.annotate`) and
 ``plan.search["strategy"]``, and raise :class:`eth.errors.InfeasibleError` when nothing
 fits.  The faithful and strong planners record ``plan.search["variant"]`` ("faithful" /
 "strong").  Old plans: the strategy name is metadata (``plan.search``), never checked when a
@@ -24,7 +24,7 @@ its field names (an :class:`eth.planner.options.SearchOptions` works).
 from __future__ import annotations
 
 from eth.errors import SpecError
-from eth.plan import Plan
+from eth.spec.plan import Plan
 from eth.planner.baselines.common import BASELINES, BaselineOptions
 
 

@@ -1,8 +1,8 @@
 """Shared pieces of the baseline planners: options, time limit, plan building.
 
-Every baseline scores candidates with the same :class:`eth.cost.CostModel` as the HPP
+Every baseline scores candidates with the same :class:`eth.cost.model.CostModel` as the HPP
 search (Eq. 5 + Eq. 6 and the per-device memory check) and emits the same
-:class:`eth.plan.Plan`, annotated by :meth:`CostModel.annotate`, validated, with
+:class:`eth.spec.plan.Plan`, annotated by :meth:`CostModel.annotate`, validated, with
 ``plan.search = {"strategy", "time_s", "candidates", "time_limited", ...}``.
 """
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from eth.cost import CostModel
+from eth.cost.model import CostModel
 from eth.errors import InfeasibleError, SpecError
-from eth.model import LAYER_OPS, UNFUSED_ATTENTION_OPS, layer_ops
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.precision import TrainSetup
+from eth.spec.model import LAYER_OPS, UNFUSED_ATTENTION_OPS, layer_ops
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.precision import TrainSetup
 from eth.planner.evaluate import Evaluator, PipeState, StageState
-from eth.planner.progress import Clock, progress_bar  # noqa: F401  (re-exported to the baselines)
+from eth.planner.progress import Clock
 
 BASELINES = ("uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong", "typesplit")
 """Baseline strategies implemented by :func:`eth.planner.baselines.plan_baseline`:
@@ -35,7 +35,7 @@ with unfused attention; any model: :func:`recompute_modes`."""
 
 
 def recompute_modes(model) -> tuple:
-    """:data:`RECOMPUTE_MODES` of ``model``'s op set (``eth.model.layer_ops``): selective is
+    """:data:`RECOMPUTE_MODES` of ``model``'s op set (``eth.spec.model.layer_ops``): selective is
     its core attention (the unfused four ops, or fused-attention), full every layer op."""
     ops = layer_ops(model)
     core = tuple(op for op in ops if op in UNFUSED_ATTENTION_OPS + ("fused-attention",))

@@ -19,7 +19,7 @@ plan format as HPP):
 Search (:func:`plan_hexiscale`): every k and every stage device group of one pipeline
 (:func:`eth.planner.enumerate.stage_groups`: device types in any order, the devices of
 a type cut into equal stages) gives exactly one plan under the rules above; each is
-scored by :meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6, memory) and the fastest
+scored by :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6, memory) and the fastest
 feasible one wins.
 
 Where it departs from the published system: HexiScale's own search (a graph partition of
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 
-from eth.cost import CostModel
-from eth.model import layer_ops
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
-                                          progress_bar, proportional_split)
+from eth.cost.model import CostModel
+from eth.spec.model import layer_ops
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.baselines.common import Best, BaselineOptions, divisors, finish, proportional_split
+from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator
 

@@ -26,18 +26,19 @@ from one of the two bottleneck stages (memory overflow first, else largest T_j) 
 other stage, or double / halve Mbs.  Recompute: per stage the cheapest of none /
 selective / full that fits (``BaselineOptions.recompute = "stage"``, default), or the
 HPP op-level rule ("op").  Each result becomes the k-pipeline
-plan scored by :meth:`eth.cost.CostModel.evaluate`; the fastest feasible plan wins.
+plan scored by :meth:`eth.cost.model.CostModel.evaluate`; the fastest feasible plan wins.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
-from eth.cost import CostModel, eq5_end_times, eq6_allreduce_ms
-from eth.plan import Plan
+from eth.cost.equations import eq5_end_times, eq6_allreduce_ms
+from eth.cost.model import CostModel
+from eth.spec.plan import Plan
 from eth.planner.balance import resplit
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, make_evaluator,
-                                          pipeline_plan, powers_of_two, progress_bar)
+from eth.planner.baselines.common import Best, BaselineOptions, finish, make_evaluator, pipeline_plan, powers_of_two
+from eth.planner.progress import Clock, progress_bar
 from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts, tp_stage_groups
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState

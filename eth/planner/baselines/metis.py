@@ -26,13 +26,13 @@ layouts (the devices of each type cut into equal stages), S <= min(layers,
 ``max_stages``).  For every layout and Mbs: split layers with every stage at (N_j, 1),
 walk every stage, split again with the walked (dp, tp), walk again (from (N_j, 1));
 score the result with Eq. 5 + Eq. 6 (AR over the stage's replicas,
-:func:`eth.sync_cost.stage_allreduce_ms`, slowest link among them).
+:func:`eth.cost.sync.stage_allreduce_ms`, slowest link among them).
 
-Plan format: a stage of :class:`eth.plan.StagePlan` holds one device type, so a layout
+Plan format: a stage of :class:`eth.spec.plan.StagePlan` holds one device type, so a layout
 with a mixed-type stage cannot be written as a plan.  Such candidates are scored with the
 cost model's formulas directly (:meth:`MetisSearch.score`, the same Eq. 5 / Eq. 6 /
 memory terms); the returned plan is the fastest single-type candidate (scored by
-:meth:`eth.cost.CostModel.evaluate`), and when a mixed-type candidate is predicted faster
+:meth:`eth.cost.model.CostModel.evaluate`), and when a mixed-type candidate is predicted faster
 ``plan.search["mixed_type_best"]`` records it (iteration_ms, Mbs, per stage devices by
 type, tp, layers and per-type micro-batch shares); ``bench/paper_eval.py`` notes that
 prediction next to Metis's row (no mixed-type layout won on the paper's clusters, whose
@@ -54,13 +54,15 @@ import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from eth.cost import CostModel, StageCost, eq5_end_times
+from eth.cost.equations import StageCost, eq5_end_times
+from eth.cost.model import CostModel
 from eth.errors import InfeasibleError
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, divisors, finish,
-                                          powers_of_two, progress_bar, proportional_split, type_ranks)
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.baselines.common import (Best, BaselineOptions, divisors, finish, powers_of_two,
+                                          proportional_split, type_ranks)
+from eth.planner.progress import Clock, progress_bar
 from eth.planner.evaluate import Evaluator
-from eth.sync_cost import stage_allreduce_ms
+from eth.cost.sync import stage_allreduce_ms
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,15 @@ budgets of section 6.  Recompute: by default per stage the cheapest of none / se
 full that fits (``BaselineOptions.recompute = "stage"``, Megatron granularity; op-level
 stage-specific recompute is one of ETH's own contributions, section 4.2.3); "op" gives
 Metis the HPP rule.  Each balanced group becomes a plan scored by
-:meth:`eth.cost.CostModel.evaluate` (Eq. 5 + Eq. 6); the fastest feasible one wins.
+:meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6); the fastest feasible one wins.
 """
 from __future__ import annotations
 
-from eth.cost import CostModel
-from eth.plan import Plan
+from eth.cost.model import CostModel
+from eth.spec.plan import Plan
 from eth.planner.balance import balance, initial_state
-from eth.planner.baselines.common import (Best, BaselineOptions, Clock, finish, make_evaluator,
-                                          pipeline_plan, progress_bar)
+from eth.planner.baselines.common import Best, BaselineOptions, finish, make_evaluator, pipeline_plan
+from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import assign_ranks, make_blocks, stage_groups
 from eth.planner.pipeline import adaptive_budgets
 

@@ -23,11 +23,12 @@ import itertools
 import math
 from dataclasses import replace
 
-from eth.cost import CostModel
-from eth.plan import PipelinePlan, Plan, StagePlan
+from eth.cost.model import CostModel
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.allocate import allocate, allocate_with_variants, pipeline_line
 from eth.planner.balance import joint_moves
-from eth.planner.baselines.common import Best, BaselineOptions, Clock, finish, progress_bar
+from eth.planner.baselines.common import Best, BaselineOptions, finish
+from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import assign_ranks, make_blocks, pipeline_can_hold
 from eth.planner.evaluate import Evaluator
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline

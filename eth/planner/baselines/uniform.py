@@ -1,6 +1,6 @@
 """Megatron-LM style uniform baseline: one pipeline, identical stages.
 
-Search space (every point is scored by :meth:`eth.cost.CostModel.evaluate`, Eq. 5 +
+Search space (every point is scored by :meth:`eth.cost.model.CostModel.evaluate`, Eq. 5 +
 Eq. 6 + memory, and the fastest feasible one is kept -- an exhaustive search):
 
 * stage size s = tp x dp divides every device type's count (a stage holds one type),
@@ -21,10 +21,11 @@ from __future__ import annotations
 import itertools
 import math
 
-from eth.cost import CostModel
-from eth.plan import PipelinePlan, Plan, StagePlan
-from eth.planner.baselines.common import (recompute_modes, Best, BaselineOptions, Clock, divisors,
-                                          finish, powers_of_two, progress_bar, type_ranks)
+from eth.cost.model import CostModel
+from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.baselines.common import (recompute_modes, Best, BaselineOptions, divisors, finish,
+                                          powers_of_two, type_ranks)
+from eth.planner.progress import Clock, progress_bar
 
 def even_split(num_layers: int, pp: int) -> list[int]:
     """Megatron's split: L // pp layers each, the first L mod pp stages one more."""

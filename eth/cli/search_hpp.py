@@ -1,0 +1,122 @@
+"""Offline HPP planner: cluster + model + profiles -> plan.json (``hpp-search``).
+
+    hpp-search --model gpt3-13b --cluster examples/clusters/b2b4-64.yaml \
+        --profiles profiles/ --gbs 1024 --seq 2048 -o plan.json
+    python tools/search_hpp.py ...        # the same, from a checkout
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eth.planner.options import STRATEGIES
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--model", required=True, help="model preset name (eth.spec.model.PRESETS)")
+    p.add_argument("--cluster", required=True, help="cluster YAML file")
+    p.add_argument("--profiles", help="profile JSON file or folder; device types without a profile "
+                                      "for the model get analytic profiles in memory")
+    p.add_argument("--gbs", type=int, required=True, help="global batch size")
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--attention", choices=("unfused", "fused"),
+                   help="attention op set (default: the preset's): unfused = score, softmax, attn-dropout, "
+                        "context ops; fused = one fused-attention op (eth.spec.model.ModelSpec.attention)")
+    p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    p.add_argument("--strategy", default="hpp", choices=STRATEGIES,
+                   help="hpp, or a baseline in the same cost model: uniform (Megatron), metis and "
+                        "hexiscale (as published), metis-strong and hexiscale-strong (on HPP's balancer, "
+                        "mbs search and recompute; the seeds of hpp), typesplit (TypeSplit-HPP)")
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds, 0 = none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=1.5, help="approximate-bound tolerance factor")
+    p.add_argument("--no-cache", action="store_true", help="disable the pipeline configuration cache")
+    p.add_argument("--no-skip", action="store_true", help="disable early skipping")
+    p.add_argument("--no-order", action="store_true", help="disable variance ordering (Eq. 9)")
+    p.add_argument("--no-dp", action="store_true", help="disable dynamic programming (Eq. 10)")
+    p.add_argument("--no-seeds", action="store_true",
+                   help="do not also evaluate the metis-strong/hexiscale-strong/uniform planners' plans")
+    p.add_argument("--allow-overshoot", action="store_true",
+                   help="accept sum(lbs) > gbs when no exact split exists")
+    p.add_argument("--max-blocks-per-type", type=int, default=8)
+    p.add_argument("--max-stages", type=int, default=16)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--jobs", type=int, default=usable_cpus(),
+                   help="processes the search may use at once (default: the CPUs this process may "
+                        "run on); the plan is the same for any value")
+    t = p.add_argument_group("training setup (memory and Eq. 6; recorded in the plan, used by the runtime)")
+    t.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="weights and activations (the optimizer keeps fp32 main weights)")
+    t.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
+                   help="1: optimizer state sharded over each gradient block's holders; 2: also gradients")
+    t.add_argument("--grad-reduce", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype gradients are accumulated and reduced in")
+    return p.parse_args(argv)
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    from eth.cli.common import check_output_file
+    from eth.spec.cluster import load_cluster
+    from eth.spec.model import get_model
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.spec.precision import TrainSetup
+    from eth.profiles.db import ProfileDB
+    from eth.report.tables import format_plan_table, format_search_line
+
+    if args.output:  # before the search, so that a long search's result is not lost
+        check_output_file(args.output)
+    model = get_model(args.model, seq_len=args.seq, attention=args.attention)
+    cluster = load_cluster(args.cluster)
+    db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
+    added = db.ensure(model, cluster.types.values())
+    options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
+                            skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
+                            seeds=not args.no_seeds,
+                            alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
+                            max_blocks_per_type=args.max_blocks_per_type,
+                            max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
+                            progress=not args.no_progress, jobs=args.jobs,
+                            setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
+    plan = search(model, cluster, db, options)
+    # where each device type's op costs came from (the plan hash does not cover profiles)
+    plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
+                               else db.get(t).source for t in sorted(cluster.types)}
+    if args.profiles:  # so that tools/show_plan.py scores the plan with the same profiles
+        plan.search["profiles_path"] = str(Path(args.profiles).resolve())
+    if added:  # said after the search so that an error stays a single line
+        plan.search["analytic_profiles"] = added
+        print(f"note: analytic profiles (roofline estimates) for {model.name} on "
+              f"{', '.join(added)}", file=sys.stderr)
+    print(format_plan_table(plan))
+    print(format_search_line(plan))
+    mixed = plan.search.get("mixed_type_best")
+    if mixed:  # faithful Metis: a layout the plan format cannot hold (one device type per stage)
+        print(f"note: a Metis layout with mixed-type stages is predicted {mixed['iteration_ms']:.1f} ms "
+              f"(plan.search.mixed_type_best); the plan holds the best single-type layout")
+    print("(headings and abbreviations: tools/show_plan.py --legend, or hpp-show --legend)")
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """The CLI; bad input or an infeasible problem: ``error: ...`` on stderr, exit 2."""
+    from eth.cli.common import run_main
+    return run_main(_main, argv)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

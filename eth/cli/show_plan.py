@@ -1,0 +1,136 @@
+"""Show a plan as a Table-3-style text view, simulate it, optionally draw a Gantt chart.
+
+    python tools/show_plan.py plan.json          # or: hpp-show plan.json
+    python tools/show_plan.py plan.json --png out.png
+    python tools/show_plan.py plan.json --profiles profiles/ --optimizer-passes 3
+    python tools/show_plan.py --legend           # what the headings and abbreviations mean
+
+The plan's stored predictions (fwd/bwd ms, memory GB) are printed as they are; when
+the plan has none they are filled in from the cost model (marked as such).  Profiles:
+``--profiles``, else the ones the plan was searched with (``search.profiles_path``) when
+that path still exists, else the checkout's ``profiles/``; when the kind of profile used
+for a device type differs from the one the plan records (``search.profiles``: measured,
+aceso-csv, analytic), one line says so and by how much the simulated iteration differs
+from the plan's prediction.  The
+simulated iteration comes from eth/report/simulate.py (event-driven 1F1B, block-wise
+All-Reduce, optimizer step); see docs/SIMULATOR.md.  Exit code 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eth.cli.common import run_main
+from eth.cost.model import CostModel
+from eth.errors import SpecError
+from eth.spec.plan import load_plan
+from eth.profiles.db import ProfileDB
+from eth.report.tables import format_legend, format_plan_table, format_sim_summary, stage_label
+from eth.report.simulate import SimOptions, simulate
+
+# the checkout's shipped profiles (absent in a wheel install: analytic ones are generated)
+DEFAULT_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+
+
+def _main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("plan", nargs="?", help="plan JSON written by tools/search_hpp.py")
+    ap.add_argument("--legend", action="store_true",
+                    help="explain the table's headings and abbreviations (alone: only the legend)")
+    ap.add_argument("--png", metavar="OUT", help="write a Gantt chart of the simulated iteration")
+    ap.add_argument("--profiles", default=None,
+                    help=f"profile file or folder (default: {DEFAULT_PROFILES} if present; "
+                         "analytic entries fill what is missing)")
+    ap.add_argument("--optimizer-passes", type=float, default=SimOptions.optimizer_passes,
+                    help="memory passes of the optimizer step over bytes_per_param x params")
+    args = ap.parse_args(argv)
+    if args.plan is None:
+        if args.legend:
+            print(format_legend())
+            return 0
+        raise SpecError("give a plan JSON file (or --legend)")
+    if args.optimizer_passes < 0:
+        raise SpecError(f"--optimizer-passes must be >= 0, got {args.optimizer_passes}")
+
+    plan = load_plan(args.plan)
+    recorded_path = plan.search.get("profiles_path")
+    if args.profiles:
+        where = args.profiles
+    elif isinstance(recorded_path, str) and Path(recorded_path).exists():
+        where = recorded_path
+    elif DEFAULT_PROFILES.is_dir() and any(DEFAULT_PROFILES.glob("*.json")):
+        where = str(DEFAULT_PROFILES)
+    else:
+        where = None
+    profiles = ProfileDB.load(where) if where else ProfileDB()
+    analytic = profiles.ensure(plan.model, plan.cluster.types.values())
+    cost_model = CostModel(plan.model, plan.cluster, profiles, plan.training)
+
+    filled = not any(s.predicted for p in plan.pipelines for s in p.stages)
+    if filled:
+        cost_model.annotate(plan)  # in memory only; the file is not rewritten
+    print(format_plan_table(plan))
+    if filled:
+        print("  (no predictions stored in the plan: fwd/bwd/memory computed now by the cost model)")
+    if analytic:
+        print(f"  (analytic roofline profiles generated for: {', '.join(analytic)})")
+    if where and where == recorded_path and not args.profiles:
+        print(f"  (profiles: {where}, the ones the plan was searched with)")
+    print()
+    result = simulate(plan, cost_model, options=SimOptions(optimizer_passes=args.optimizer_passes))
+    print(format_sim_summary(plan, result))
+    note = profile_mismatch(plan, profiles, analytic, where, result.iteration_ms)
+    if note:
+        print(note)
+
+    if args.png:
+        from eth.report.gantt import plot_gantt
+        labels = {(s.pipeline, s.stage): stage_label(plan, s.pipeline, s.stage)
+                  for row in result.stages for s in row}
+        title = (f"{plan.model.name} on {plan.cluster.name}, gbs {plan.gbs}: "
+                 f"simulated iteration {result.iteration_ms:.2f} ms")
+        if "iteration_ms" in plan.predicted:
+            title += f" (Eq. 5: {plan.predicted['iteration_ms']:.2f} ms)"
+        try:
+            out = plot_gantt(result, args.png, labels, title)
+        except OSError as exc:
+            raise SpecError(f"cannot write {args.png}: {exc}") from None
+        print(f"\nGantt chart written to {out}")
+    if args.legend:
+        print()
+        print(format_legend())
+    return 0
+
+
+def _kinds(sources: dict) -> dict:
+    """{device type: first word of the source} ("analytic (generated ...)" -> "analytic")."""
+    return {t: str(src).split()[0] if str(src).split() else "" for t, src in sources.items()}
+
+
+def profile_mismatch(plan, profiles, analytic, where, simulated_ms: float) -> str | None:
+    """One line when a device type is scored with another kind of profile than the plan
+    records (``plan.search["profiles"]``), else None."""
+    recorded = plan.search.get("profiles")
+    if not isinstance(recorded, dict) or not recorded:
+        return None
+    used = {t: "analytic" if t in analytic else profiles.get(t).source for t in recorded
+            if t in plan.cluster.types}
+    want = _kinds({t: recorded[t] for t in used})
+    if _kinds(used) == want:
+        return None
+    fmt = lambda d: ", ".join(f"{t}: {k}" for t, k in sorted(d.items()))
+    path = plan.search.get("profiles_path")
+    made = f"{fmt(want)}" + (f" from {path}, not found" if path and path != where else "")
+    line = (f"note: the plan was searched with {made}; scored here with {fmt(_kinds(used))}"
+            f" ({where or 'generated'}; give --profiles to choose)")
+    predicted = plan.predicted.get("iteration_ms")
+    if isinstance(predicted, (int, float)) and predicted > 0:
+        line += (f": simulated {simulated_ms:.2f} ms vs the plan's predicted {predicted:.2f} ms "
+                 f"({100 * (simulated_ms / predicted - 1):+.1f}%)")
+    return line
+
+
+def main(argv=None) -> int:
+    """The CLI (``hpp-show``); bad input: ``error: ...`` on stderr, exit 2."""
+    return run_main(_main, argv)
