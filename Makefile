@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
 OUT    ?= out
 
-.PHONY: install run test profiles clean
+.PHONY: install run test profiles results clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,20 @@ test: install
 
 profiles: install
 	$(BIN)/python tools/make_profiles.py -o profiles
+
+# Rebuild what the repository ships from the planner (deterministic; writes over tracked files):
+# the example plan (the main job's search), the analytic profiles, and the paper evaluation's
+# tables, plans and plots in bench/results/ (the full run takes about 40 minutes on 2 cores).
+# Measured results have their own commands: docs/EVALUATION.md.
+results: profiles
+	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
+	    --profiles profiles/measured/cpu.json --precision fp32 --gbs 16 --zero-stage 1 -o examples/plans/cpu-demo.json
+	$(BIN)/python tools/search_hpp.py --model gpt3-13b --cluster examples/clusters/b2b4-64.yaml --profiles profiles \
+	    --gbs 1024 --seq 2048 --time-limit 60 -o bench/results/plans/gpt3-13b-b2b4-64-hpp-bf16.json
+	$(BIN)/python tools/search_hpp.py --model gpt3-175b --cluster examples/clusters/b2b4-1024.yaml --profiles profiles \
+	    --gbs 1536 --seq 2048 --time-limit 60 -o bench/results/plans/gpt3-175b-b2b4-1024-hpp-bf16.json
+	$(BIN)/python bench/paper_eval.py --quick --update-results
+	$(BIN)/python bench/paper_eval.py --update-results
 
 clean:
 	rm -rf $(VENV) $(OUT) *.egg-info

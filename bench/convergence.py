@@ -26,7 +26,7 @@ Prints the mean training loss of each run over the last ``--window`` iterations,
 validation loss after the last iteration (``--eval-iters`` global batches of the
 validation split, pretrain_gpt.py's ``--eval-interval``; no batch-to-batch noise) and the
 relative differences (the paper reports ETH and the baselines within about 0.1%), and
-writes, under ``--out`` (default bench/results): ``convergence.csv`` (iteration, loss of
+writes, under ``--out`` (default out/bench/; bench/results/ with ``--update-results``): ``convergence.csv`` (iteration, loss of
 each run), ``convergence.png`` (the three curves; the last ``--window`` iterations zoomed;
 the per-iteration relative difference to the one-rank run), ``convergence.md`` (command,
 machine load, commit, model, plans, numbers).  Bad
@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence_report import (RUNS, compare, format_same, format_summary, plot,  # noqa: E402
                                 steady_ms, write_csv, write_md)
-from run_context import loadavg  # noqa: E402
+from run_context import add_output_args, loadavg, output_path  # noqa: E402
 
 LOSS_LINE = re.compile(r"^iteration (\d+)/(\d+) \| .*?\| loss (\S+) \|")
 TIME_FIELD = re.compile(r"\| time ([0-9.]+) ms")
@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-path", nargs="+", default=[str(REPO / "megatron/hpp/corpus/english")],
                    metavar="PREFIX", help="pretrain_gpt.py --data-path")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
-    p.add_argument("--out", default=str(REPO / "bench/results"), help="folder of convergence.{csv,png,md}")
+    add_output_args(p, "convergence.{csv,png,md}")
     p.add_argument("--workdir", default=None,
                    help="keep the plans and training logs here (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
@@ -345,7 +345,7 @@ def _main(argv) -> int:
     args = parse_args(argv)
     model = build_model(args.model, args.sets)
     cluster = Path(args.cluster)
-    out = Path(args.out)
+    out = output_path(args, "")
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise BenchError(f"--out {out}: not a writable folder")

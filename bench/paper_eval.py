@@ -11,7 +11,8 @@ hexiscale-strong (on HPP's balancer, Mbs search and recompute), typesplit
 (eth.planner.baselines) -- plans the iteration
 from the same profiles (the shipped analytic ones in profiles/, extended by
 ProfileDB.ensure for other sequence lengths) and the same CostModel; each plan is then
-played by the event simulator (eth.report.simulate).  Written to --out (bench/results/):
+played by the event simulator (eth.report.simulate).  Written to out/bench/ (--out DIR;
+--update-results: over the tracked bench/results/):
 
     table2.csv, sweep_devices.csv, sweep_gbs.csv, sweep_seq.csv   one row per (case, strategy)
     paper_eval.md                                                 tables built from the CSVs
@@ -29,7 +30,8 @@ eth.spec.model.op_shapes (forward + backward = 3 x forward, no recompute) x gbs;
 efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
 "infeasible" (the paper's OOM).
 
-    python bench/paper_eval.py --quick              # subset, ~1-2 minutes -> bench/results/quick/
+    python bench/paper_eval.py --quick              # subset, ~1-2 minutes -> out/bench/quick/
+    python bench/paper_eval.py --quick --update-results   # the same, over bench/results/quick/
     python bench/paper_eval.py --time-limit 60      # everything (many minutes)
     python bench/paper_eval.py --only table2 --models gpt3-13b --pairs b2b4
     python bench/paper_eval.py --only sensitivity
@@ -48,6 +50,7 @@ from types import MappingProxyType
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paper_eval_results import HPPS, STRATEGIES, SWEEPS, Row, read_csv, write_csv, write_report  # noqa: E402
+from run_context import add_output_args, output_path  # noqa: E402
 SWEEP_VALUES = MappingProxyType({"devices": (16, 32, 48, 64, 96, 128),
                                  "gbs": (4, 16, 64, 256, 1024, 4096),
                                  "seq": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)})
@@ -336,7 +339,7 @@ def parse_args(argv=None):
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     p.add_argument("--gbs", type=int, default=1024, help="global batch of the Table 2 runs")
     p.add_argument("--time-limit", type=float, help="seconds per search, 0 = none (default 60, quick: 10)")
-    p.add_argument("--out", help="output folder (default bench/results, quick: bench/results/quick)")
+    add_output_args(p, "the tables, plans and report (quick: .../quick)")
     p.add_argument("--report-only", action="store_true", help="rebuild md + PNG from existing CSVs")
     return p.parse_args(argv)
 
@@ -346,7 +349,7 @@ def main(argv=None) -> int:
     if args.time_limit is None:
         args.time_limit = 10.0 if args.quick else 60.0
     sys.path.insert(0, str(ROOT))
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / ("quick" if args.quick else "")
+    out = output_path(args, "quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python bench/paper_eval.py"] + list(argv if argv is not None else sys.argv[1:]))
     if not args.report_only:

@@ -25,7 +25,8 @@
    (between the same two adjacent profiles) and keeps the medians: the table's "run
    spread" column, (max - min) / median over the launches, is how far the same run moves
    from one launch to the next on this host, the floor under any error it can show.
-3. Prints and writes (``bench/results/predictor_accuracy.md`` and ``.json``, with the
+3. Prints and writes (``predictor_accuracy.md`` and ``.json`` under out/bench/, or
+   bench/results/ with ``--update-results``, with the
    command, the commit and the load average before and after every run) predicted vs
    measured:
 
@@ -79,11 +80,10 @@ from predictor_composition import COMPOSITION_HEADER, composition_rows, iteratio
 from predictor_profiles import (  # noqa: E402
     _env, _without_collectives, _without_overheads, concurrency_line, copy_collectives, host_drift, mean_prediction,
     plan_shapes, profile_collectives, profile_cpu)
-from run_context import commit, loadavg  # noqa: E402
+from run_context import commit, loadavg, output_path  # noqa: E402
 
 GBS = 16
 SPEED_A, SPEED_B = 0.25, 0.1   # emulated "fast" and "slow" CPU device types (2.5 : 1)
-RESULTS = ROOT / "bench" / "results"
 ADJ_REPEATS = 20   # rounds of the quick re-profile right before each run
 
 
@@ -408,7 +408,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="launches of each configuration, one after another (medians kept; the "
                          "table shows their spread)")
-    ap.add_argument("--out-dir", default=str(RESULTS), help="where predictor_accuracy.md/.json go")
+    ap.add_argument("--out-dir", help="where predictor_accuracy.md/.json go (default: out/bench/)")
+    ap.add_argument("--update-results", action="store_true",
+                    help="write over bench/results/predictor_accuracy.md/.json instead of out/bench/")
     ap.add_argument("--no-adjacent", action="store_true",
                     help="skip the quick re-profile right before each run (the adjacent errors and drift)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -564,7 +566,8 @@ def main(argv=None) -> int:
         "The emulated types need about one core for all ranks together: "
         "with the load average above the core count, ranks wait for a core longer than the "
         "emulation sleeps and measured times grow with the load (see the load column).", ""])
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir) if args.out_dir else output_path(argparse.Namespace(
+        update_results=args.update_results), "")
     out_dir.mkdir(parents=True, exist_ok=True)
     from eth.fileio import atomic_write_text
 

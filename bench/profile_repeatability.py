@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from predictor_profiles import host_drift, profile_cpu  # noqa: E402
-from run_context import commit, loadavg  # noqa: E402
+from run_context import add_output_args, commit, loadavg, output_path  # noqa: E402
 
 
 def spread_of(values) -> float:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20, help="the profiler's timed rounds (as the adjacent profiles)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "profile_repeatability.json"))
+    add_output_args(ap, "the JSON file")
     args = ap.parse_args(argv)
     if args.times < 2 or args.mbs < 1 or args.tp not in (1, 2) or args.repeats < 1:
         print(f"error: --times must be >= 2, --mbs >= 1, --tp 1 or 2, --repeats >= 1, got "
@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     lines += ["", f"spread of the same profile taken {args.times} times in a row ((max - min) / median): "
                   f"{spread:.1%}; largest ratio between two of them {max(ratios) / min(ratios):.3f}"]
     print("\n".join(lines))
-    out = Path(args.out)
+    out = output_path(args, "profile_repeatability.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     from eth.fileio import atomic_write_text
 

@@ -25,3 +25,21 @@ def loadavg() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "n/a"
+
+
+def add_output_args(parser, what: str) -> None:
+    """``--out`` and ``--update-results``: a bench writes under out/bench/ unless told to
+    replace the tracked files in bench/results/ (or given a path)."""
+    parser.add_argument("--out", help=f"where {what} go (default: out/bench/..., the same layout as "
+                                      "bench/results/)")
+    parser.add_argument("--update-results", action="store_true",
+                        help="write over the tracked files in bench/results/ instead of out/bench/")
+
+
+def output_path(args, relative: str) -> Path:
+    """Where a bench writes ``relative`` (a path under bench/results/): ``args.out`` if
+    given, bench/results/ with ``--update-results``, else out/bench/ (untracked)."""
+    if getattr(args, "out", None):
+        return Path(args.out)
+    base = ROOT / "bench" / "results" if args.update_results else ROOT / "out" / "bench"
+    return base / relative

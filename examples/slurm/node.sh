@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${PLAN:?set PLAN=path/to/plan.json}" "${HPP_HOSTS:?set HPP_HOSTS=host1,host2,...}"
 PYTHON=${PYTHON:-python}
-eval "$("$PYTHON" -m megatron.hpp.launch node --plan "$PLAN" --hosts "$HPP_HOSTS" \
+eval "$("$PYTHON" -m megatron.hpp.parallel.launch node --plan "$PLAN" --hosts "$HPP_HOSTS" \
         --host "${HPP_HOST:-$(hostname)}")"   # NNODES NODE_RANK NPROC_PER_NODE WORLD_SIZE
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$NPROC_PER_NODE" --master-addr "${MASTER_ADDR:-${HPP_HOSTS%%,*}}" \

@@ -1,0 +1,53 @@
+"""What the repository ships stays what its commands make: every shipped plan's stored
+prediction is what the current cost model computes for it (``make results`` rebuilds
+them), and .gitignore covers everything the README's commands write."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eth.cost.model import CostModel
+from eth.profiles.db import ProfileDB
+from eth.spec.plan import load_plan
+
+REPO = Path(__file__).resolve().parents[2]
+PLANS = sorted(p.relative_to(REPO).as_posix() for p in
+               list((REPO / "examples" / "plans").glob("*.json")) + list((REPO / "bench" / "results").rglob("plans/*.json")))
+
+
+def test_there_are_shipped_plans():
+    assert "examples/plans/cpu-demo.json" in PLANS and len(PLANS) >= 10
+
+
+@pytest.mark.parametrize("path", PLANS)
+def test_shipped_plan_prediction_is_current(path):
+    plan = load_plan(REPO / path)
+    where = REPO / (plan.search.get("profiles_path") or "profiles")   # paper_eval: the shipped analytic ones
+    profiles = ProfileDB.load(where)
+    profiles.ensure(plan.model, plan.cluster.types.values())
+    now = CostModel(plan.model, plan.cluster, profiles, plan.training).evaluate(plan)
+    stored = plan.predicted["iteration_ms"]
+    assert now["iteration_ms"] == pytest.approx(stored, rel=1e-6, abs=1e-3), (
+        f"{path} stores {stored} ms, the cost model now says {now['iteration_ms']:.4f} ms: run `make results`")
+    assert now["feasible"] == plan.predicted["feasible"], f"{path}: feasibility changed: run `make results`"
+
+
+# what the README's "Using it" commands and `make run` write, relative to the checkout
+README_OUTPUTS = ["plan.json", "plan.png", "cpu-plan.json", "cpu-plan0.json", "llama-plan.json",
+                  "ckpt/iter_0000010/x", "data/alice.bin", "my_profiles/cpu.json", "out/plan.json",
+                  "out/bench/paper_eval.md"]
+
+
+def test_gitignore_covers_what_the_readme_writes():
+    readme = (REPO / "README.md").read_text()
+    for name in ["-o plan.json", "--png plan.png", "-o cpu-plan.json", "-o cpu-plan0.json", "-o llama-plan.json",
+                 "--save ckpt", "--output-prefix data/alice", "-o my_profiles/cpu.json"]:
+        assert name in readme, f"README no longer says {name!r}: update README_OUTPUTS"
+    try:
+        proc = subprocess.run(["git", "check-ignore", "--no-index", *README_OUTPUTS], cwd=REPO,
+                              capture_output=True, text=True)
+    except OSError:
+        pytest.skip("no git")
+    if proc.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert sorted(proc.stdout.split()) == sorted(README_OUTPUTS)
