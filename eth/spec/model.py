@@ -104,6 +104,10 @@ class ModelSpec:
     attention: str = "unfused"
     """"unfused" (score, softmax, attn-dropout, context ops) or "fused" (one
     fused-attention op: torch scaled_dot_product_attention)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every layernorm / rmsnorm (numerics only: no effect on cost)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding's frequencies (position "rope"; numerics only)."""
 
     def __post_init__(self):
         if self.ffn == 0:
@@ -125,6 +129,10 @@ class ModelSpec:
         for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise SpecError(f"model.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        for name in ("norm_eps", "rope_theta"):
+            if isinstance(getattr(self, name), bool) or not is_number(getattr(self, name)) \
+                    or getattr(self, name) <= 0:
+                raise SpecError(f"model.{name} must be a positive number, got {getattr(self, name)!r}")
         if not isinstance(self.bias, bool):
             raise SpecError(f"model.bias must be true or false, got {self.bias!r}")
         if self.position == "rope" and self.head_dim % 2:
@@ -189,8 +197,8 @@ class ModelSpec:
 
     def to_dict(self, compact: bool = False) -> dict:
         """Every field; ``compact`` leaves out the layer options (norm, position, bias,
-        attention) that equal the GPT defaults, so that a plan's hash is the one it had
-        before these fields existed."""
+        attention, norm_eps, rope_theta) that equal the GPT defaults, so that a plan's hash
+        is the one it had before these fields existed."""
         data = asdict(self)
         if compact:
             for f in fields(self):
@@ -212,7 +220,7 @@ class ModelSpec:
         return cls(**data)
 
 
-_OPTION_FIELDS = ("norm", "position", "bias", "attention")
+_OPTION_FIELDS = ("norm", "position", "bias", "attention", "norm_eps", "rope_theta")
 _LLAMA = {"norm": "rmsnorm", "position": "rope", "bias": False, "swiglu": True, "dropout": 0.0}
 
 

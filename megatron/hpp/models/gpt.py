@@ -40,7 +40,7 @@ from megatron.hpp.models import llama
 from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
 
 INIT_STD = 0.02
-LN_EPS = 1e-5
+LN_EPS = 1e-5   # the default ModelSpec.norm_eps; the layers read the spec's
 
 
 def full_parameter(spec: ModelSpec, shard: ShardSpec, seed: int) -> torch.Tensor:
@@ -117,6 +117,7 @@ class Layer(torch.nn.Module):
         self.segments = self.plan_segments(recompute, self.OPS)
         self._op_by_name = {op[0]: op for op in self.OPS}
         self.local_heads, self.head_dim = spec.heads // tp, spec.head_dim
+        self.rope_theta = spec.rope_theta
         self.tp_group, self.kv_heads, self.full_group = tp_group, spec.kv_heads, spec.heads // spec.kv_heads
         if tp > spec.kv_heads:   # one (replicated) kv head per rank, from the gathered qkv output
             self.local_groups, self.group = 1, spec.heads // tp
@@ -124,12 +125,12 @@ class Layer(torch.nn.Module):
             self.local_groups, self.group = spec.kv_heads // tp, spec.heads // spec.kv_heads
         qkv_width = h + 2 * spec.kv_heads * spec.head_dim
         bias = spec.bias
-        self.ln1 = llama.norm(spec, LN_EPS)
+        self.ln1 = llama.norm(spec, spec.norm_eps)
         self.qkv = ColumnParallelLinear(h, qkv_width, config=cfg, init_method=_no_init, bias=bias,
                                         gather_output=False, tp_group=tp_group)
         self.dense = RowParallelLinear(h, h, config=cfg, init_method=_no_init, bias=bias,
                                        input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
-        self.ln2 = llama.norm(spec, LN_EPS)
+        self.ln2 = llama.norm(spec, spec.norm_eps)
         self.fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
                                         gather_output=False, tp_group=tp_group)
         if spec.swiglu:   # the up projection: mlp-gemm-1 outputs [gate, up]
@@ -148,7 +149,7 @@ class Layer(torch.nn.Module):
         return out
 
     def op_rotary(self, qkv):
-        return llama.rotate_qk(qkv, self.local_groups, self.group, self.head_dim)
+        return llama.rotate_qk(qkv, self.local_groups, self.group, self.head_dim, self.rope_theta)
 
     def op_score(self, qkv):
         return llama.scores(qkv, self.local_groups, self.group, self.head_dim)
@@ -283,7 +284,7 @@ class GPTStage(torch.nn.Module):
             self.layers.append(Layer(spec, layer, tp_group, tracker, ops))
             self.shard_specs.update({f"layers.{i}.{k}": v for k, v in layer_specs(spec, layer).items()})
         if last:
-            self.ln = llama.norm(spec, LN_EPS)
+            self.ln = llama.norm(spec, spec.norm_eps)
             self.out = ColumnParallelLinear(spec.hidden, spec.vocab, config=cfg, init_method=_no_init,
                                             bias=False, gather_output=False, tp_group=tp_group)
             self.shard_specs.update(head_specs(spec))

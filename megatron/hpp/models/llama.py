@@ -17,7 +17,8 @@ layout, and is pure torch (the tp layers themselves are megatron-core's):
   share their key / value; backward keeps views of qkv, no copy of q, k or v),
   :func:`fused_attention` the one-kernel form;
 * rotary position embeddings (:func:`rope_tables`, :func:`rotate_qk`): the "rotate
-  half" form (GPT-NeoX / megatron-core's default, not interleaved), base 10000;
+  half" form (GPT-NeoX / megatron-core's default, not interleaved), base the spec's
+  ``rope_theta`` (10000 by default);
 * :class:`SwiGLU`: silu(gate) * up, keeping only its input for backward (recomputing
   the sigmoid, as megatron-core's fused bias-swiglu does), so its saved bytes are
   those of ``eth.spec.model.op_shapes``.
@@ -37,7 +38,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-ROPE_BASE = 10000.0
 
 
 def norm(spec, eps: float) -> torch.nn.Module:
@@ -82,16 +82,17 @@ class RMSNorm(torch.nn.Module):
 
 # ------------------------------------------------------------------ rotary embeddings
 @functools.lru_cache(maxsize=16)
-def _tables(seq: int, head_dim: int, device: str, dtype: torch.dtype):
-    inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def _tables(seq: int, head_dim: int, base: float, device: str, dtype: torch.dtype):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     freqs = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)          # [s, hd]
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
 
 
-def rope_tables(seq: int, head_dim: int, device, dtype):
-    """(cos, sin) of shape [seq, head_dim], computed in fp64 and cached."""
-    return _tables(seq, head_dim, str(device), dtype)
+def rope_tables(seq: int, head_dim: int, device, dtype, base: float = 10000.0):
+    """(cos, sin) of shape [seq, head_dim] for rotary base ``base`` (the spec's rope_theta),
+    computed in fp64 and cached."""
+    return _tables(seq, head_dim, float(base), str(device), dtype)
 
 
 def _rotate_half(x):
@@ -125,10 +126,10 @@ class _RotateQK(torch.autograd.Function):
         return out.view(s, b, -1), None, None, None
 
 
-def rotate_qk(qkv, groups: int, group: int, head_dim: int):
+def rotate_qk(qkv, groups: int, group: int, head_dim: int, base: float = 10000.0):
     """qkv [s, b, groups * (group + 2) * hd] -> the same with q and k rotated (v as is)."""
     s = qkv.shape[0]
-    cos, sin = rope_tables(s, head_dim, qkv.device, qkv.dtype)
+    cos, sin = rope_tables(s, head_dim, qkv.device, qkv.dtype, base)
     return _RotateQK.apply(qkv, group, cos.view(s, 1, 1, 1, head_dim), sin.view(s, 1, 1, 1, head_dim))
 
 
