@@ -66,6 +66,17 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
     (tmp_path / "iter_0000008.tmp").mkdir()
     with pytest.raises(SpecError, match="iter_0000004 is of another model shape"):
         check_loadable(tmp_path, model)
+    # same sizes, other layers (a LayerNorm / learned-position / bias GPT into an RMSNorm /
+    # rope / no-bias model), or another rope base: refused; a checkpoint written before
+    # these fields existed reads as the GPT defaults
+    common["model"] = {k: v for k, v in model.to_dict(compact=True).items()}
+    (tmp_path / "iter_0000004" / "common.json").write_text(json.dumps(common))
+    assert check_loadable(tmp_path, model)["iteration"] == 4
+    llama = replace(model, norm="rmsnorm", position="rope", bias=False)
+    with pytest.raises(SpecError, match="norm layernorm != rmsnorm, position learned != rope, bias True != False"):
+        check_loadable(tmp_path, llama)
+    with pytest.raises(SpecError, match="rope_theta 10000.0 != 500000.0"):
+        check_loadable(tmp_path, replace(model, rope_theta=500000.0))
 
 
 def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path):

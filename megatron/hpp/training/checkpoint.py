@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -46,7 +47,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from eth.errors import SpecError
 from eth.fileio import atomic_write_text
 
-SHAPE_FIELDS = ("num_layers", "hidden", "heads", "ffn", "seq_len", "vocab", "kv_heads", "swiglu")
+SHAPE_FIELDS = ("num_layers", "hidden", "heads", "ffn", "seq_len", "vocab", "kv_heads", "swiglu",
+                "norm", "position", "bias", "norm_eps", "rope_theta")
+"""The model fields a checkpoint must share with the plan that resumes it: its parameters'
+shapes and what the layers compute (not the name, the attention op set or dropout)."""
 
 
 def _piece_boxes(piece, lo: int, hi: int):
@@ -170,11 +174,11 @@ def check_loadable(root, model) -> dict | None:
     if path is None:
         return None
     common = json.loads((path / "common.json").read_text())
-    saved = common["model"]
+    saved = {f.name: f.default for f in fields(model) if f.name in SHAPE_FIELDS} | common["model"]
     diff = [f"{k} {saved.get(k)} != {getattr(model, k)}" for k in SHAPE_FIELDS if saved.get(k) != getattr(model, k)]
     if diff:
-        raise SpecError(f"checkpoint {path} is of another model shape than plan.model {model.name}: "
-                        + ", ".join(diff))
+        raise SpecError(f"checkpoint {path} is of another model shape than plan.model {model.name} "
+                        f"(checkpoint: {common['model'].get('name')}): " + ", ".join(diff))
     return common
 
 
