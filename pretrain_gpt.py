@@ -12,6 +12,8 @@ import sys
 
 
 def parse_args(argv=None):
+    from eth.spec.model_source import add_model_args
+    from eth.spec.plan_flags import PARALLEL_FLAGS
     from megatron.hpp.data.datasets import DEFAULT_SPLIT
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -19,7 +21,10 @@ def parse_args(argv=None):
     p.add_argument("--train-iters", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="cosine decay floor (default: constant lr)")
-    p.add_argument("--warmup", type=int, default=0, help="linear warm-up iterations")
+    p.add_argument("--lr-decay-style", choices=("constant", "cosine"), default=None,
+                   help="constant, or cosine from --lr to --min-lr (default: cosine when --min-lr is given)")
+    p.add_argument("--warmup", "--lr-warmup-iters", dest="warmup", type=int, default=0,
+                   help="linear warm-up iterations")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip, 0 = off")
     p.add_argument("--seed", type=int, default=1234)
@@ -72,7 +77,19 @@ def parse_args(argv=None):
                    help="fp16: starting dynamic loss scale (torch.amp's default 2^16)")
     g.add_argument("--grad-reduce-in-bf16", dest="grad_reduce", action="store_const", const="bf16",
                    default=None, help="accumulate and reduce gradients in bf16 (must match the plan)")
+    m = p.add_argument_group("decided by the plan (Megatron-LM's names; given, they must match it)")
+    for dest, flag in PARALLEL_FLAGS.items():
+        m.add_argument(flag, dest=dest, type=int, default=None)
+    add_model_args(p, model=False, title="the plan's model (Megatron-LM's names; given, they must match it)")
     return p.parse_args(argv)
+
+
+def plan_flags(args) -> dict:
+    """The flags the plan decides, as given ({argparse dest: value})."""
+    from eth.spec.model_source import overrides_of
+    from eth.spec.plan_flags import PARALLEL_FLAGS
+
+    return {**{d: getattr(args, d) for d in PARALLEL_FLAGS if getattr(args, d) is not None}, **overrides_of(args)}
 
 
 def main(argv=None) -> int:
@@ -81,8 +98,12 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
+        if args.lr_decay_style == "cosine" and args.min_lr is None:
+            args.min_lr = 0.0
+        if args.lr_decay_style == "constant" and args.min_lr is not None:
+            raise SpecError(f"--lr-decay-style constant with --min-lr {args.min_lr}: give one of them")
         cfg = TrainConfig(plan=args.hpp_plan, train_iters=args.train_iters, lr=args.lr,
-                          min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                          min_lr=args.min_lr, plan_flags=plan_flags(args), warmup=args.warmup, weight_decay=args.weight_decay,
                           clip_grad=args.clip_grad, seed=args.seed, log_interval=args.log_interval,
                           data_path=args.data_path, split=args.split,
                           data_cache_path=args.data_cache_path, save_params=args.save_params,

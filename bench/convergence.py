@@ -71,7 +71,8 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="model preset (eth.spec.model.PRESETS)")
+    p.add_argument("--model", default="tiny-llama",
+                   help="model: a preset, a model YAML file or a HuggingFace config.json")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelSpec field of the preset (repeatable), e.g. hidden=192")
     p.add_argument("--cluster", default=str(REPO / "examples/clusters/cpu-demo.yaml"),
@@ -172,13 +173,16 @@ def parse_sets(sets) -> dict:
 
 
 def build_model(name: str, sets):
-    """The preset with the overrides (validated by ModelSpec itself)."""
+    """The model (a preset, a model YAML file or a HuggingFace config.json) with the
+    overrides (validated by ModelSpec itself)."""
+    from dataclasses import replace
+
     from eth.errors import SpecError
-    from eth.spec.model import get_model
+    from eth.spec.model_source import load_model
 
     overrides = parse_sets(sets)
     try:
-        return get_model(name, **overrides)
+        return replace(load_model(name), **overrides)
     except SpecError as exc:
         raise BenchError(str(exc)) from None
     except TypeError as exc:  # a value of the wrong kind that ModelSpec cannot compare

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def one_stage_plan(model_name: str, gbs: int, mbs: int):
     from eth.spec.cluster import Cluster
-    from eth.spec.model import get_model
+    from eth.spec.model_source import load_model
     from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
     cluster = Cluster.from_dict({"name": "one", "inter_node_gbps": 100,
                                  "nodes": [{"type": "A100", "devices_per_node": 1}]})
-    model = get_model(model_name)
+    model = load_model(model_name)
     stage = StagePlan([0], "A100", 1, 1, (0, model.num_layers))
     return Plan(model=model, cluster=cluster, gbs=gbs, pipelines=[PipelinePlan(mbs, gbs, [stage])])
 
@@ -98,7 +98,8 @@ def build_megatron(spec, gbs: int, mbs: int, seed: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", help="eth.spec.model preset (default: small)")
+    parser.add_argument("--model", default="small",
+                        help="model: a preset (default: small), a model YAML file or a HuggingFace config.json")
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)

@@ -148,11 +148,15 @@ def test_show_plan_uses_the_profiles_the_plan_names(show_plan, tmp_path, capsys)
     assert f"(profiles: {tmp_path / 'prof'}, the ones the plan was searched with)" in text
     assert f"{expect:.2f} ms" in text and "note: the plan was searched with" not in text
 
-    # the recorded folder is gone: the checkout's analytic profiles score it, and one line says so
+    # the recorded folder is gone: one line naming it, exit 2 (no silent switch to other profiles)
     (tmp_path / "prof" / "A100.json").rename(tmp_path / "A100.json")
     (tmp_path / "prof" / "RTX3090.json").unlink()
     (tmp_path / "prof").rmdir()
-    assert run_main(show_plan.main, [str(tmp_path / "plan.json")]) == 0
+    assert run_main(show_plan.main, [str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"profiles {tmp_path / 'prof'} (plan.search.profiles_path), which do not exist here: pass --profiles" in err
+    # other kinds of profiles given: scored with them, and one line says so
+    assert run_main(show_plan.main, [str(tmp_path / "plan.json"), "--profiles", str(ROOT / "profiles")]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
     analytic_ms = simulate(plan, profiles=ProfileDB.load(ROOT / "profiles")).iteration_ms
     change = 100 * (analytic_ms / plan.predicted["iteration_ms"] - 1)

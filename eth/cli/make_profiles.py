@@ -28,7 +28,8 @@ from eth.profiles.aceso import import_aceso
 from eth.cli.common import int_list, run_main
 from eth.spec.cluster import catalog
 from eth.errors import SpecError
-from eth.spec.model import PRESETS, get_model
+from eth.spec.model import PRESETS
+from eth.spec.model_source import add_model_args, apply_overrides, load_model, model_from_args, overrides_of
 from eth.profiles.db import DEFAULT_MBS, DEFAULT_TP, analytic_profile, entry_shape, load_profile, save_profile
 
 
@@ -36,7 +37,7 @@ def _names(text: str, known, what: str) -> list[str]:
     if text == "all":
         return list(known)
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in known]
+    bad = [n for n in names if known is not None and n not in known]
     if bad:
         raise SpecError(f"unknown {what} {bad}; known: {', '.join(known)}")
     if not names:
@@ -97,8 +98,8 @@ def _main(argv=None) -> int:
                                  allow_abbrev=False)
     ap.add_argument("-o", "--output", default="profiles", help="folder (generate) or file (import)")
     ap.add_argument("--devices", default="all", help="comma-separated catalog device types")
-    ap.add_argument("--models", default="all", help="comma-separated model presets")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length override")
+    ap.add_argument("--models", default="all",
+                    help="comma-separated models: presets, model YAML files or HuggingFace config.json files")
     ap.add_argument("--mbs", type=int_list, default=list(DEFAULT_MBS))
     ap.add_argument("--tp", type=int_list, default=list(DEFAULT_TP))
     ap.add_argument("--gemm-efficiency", choices=("applied", "fitted"), default="applied",
@@ -107,15 +108,15 @@ def _main(argv=None) -> int:
                          "marked applied: false (the GPU fits)")
     ap.add_argument("--import-aceso", metavar="DIR", help="Aceso CSV folder to import")
     ap.add_argument("--device", help="device type of the imported profile")
-    ap.add_argument("--model", help="model preset the imported CSVs profile")
+    add_model_args(ap, required=False, model_help="the model the imported CSVs profile (a preset, a model "
+                                                  "YAML file or a HuggingFace config.json); the overrides "
+                                                  "below apply to it and to --models")
     ap.add_argument("--aceso-model", metavar="NAME",
                     help="Aceso's {model}_{size} of the CSVs to import (e.g. gpt_1_3B) when the "
                          "folder holds several models' CSVs")
     ap.add_argument("--size-unit-bytes", type=float, default=2 ** 20,
                     help="unit of the CSV size columns (Aceso writes MB)")
     args = ap.parse_args(argv)
-    if args.seq is not None and args.seq <= 0:
-        raise SpecError(f"--seq must be positive, got {args.seq}")
     out = Path(args.output)
 
     if args.aceso_model and not args.import_aceso:
@@ -125,11 +126,13 @@ def _main(argv=None) -> int:
             raise SpecError("--gemm-efficiency applies to analytic profiles, not to --import-aceso")
         if not args.device or not args.model:
             raise SpecError("--import-aceso needs --device and --model")
-        data = import_aceso(args.import_aceso, args.device, get_model(args.model, seq_len=args.seq),
+        data = import_aceso(args.import_aceso, args.device, model_from_args(args),
                             args.size_unit_bytes, aceso_model=args.aceso_model)
         n = sum(len(m["entries"]) for m in data["models"])
         if n == 0:
             raise SpecError(f"{args.import_aceso} holds no (mbs, tp) entry for {args.model}; nothing written")
+        for line in data["provenance"]["warnings"]:
+            print(f"warning: {line}", file=sys.stderr)
         data, merged = _merged(data, out)
         save_profile(data, out)
         tables = sum(len(by_n) for by_n in data.get("collectives", {}).values())
@@ -143,7 +146,9 @@ def _main(argv=None) -> int:
                         f"into a folder")
     devices = catalog()
     names = _names(args.devices, list(devices), "device")
-    models = [get_model(n, seq_len=args.seq) for n in _names(args.models, list(PRESETS), "model")]
+    overrides = overrides_of(args)
+    models = [apply_overrides(load_model(n), overrides)
+              for n in (list(PRESETS) if args.models == "all" else _names(args.models, None, "model"))]
     _check_entries(models, args.tp)
     # build and validate every file before the first write
     fitted = args.gemm_efficiency == "fitted"

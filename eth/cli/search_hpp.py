@@ -14,15 +14,18 @@ from eth.planner.options import STRATEGIES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from eth.spec.model_source import add_model_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--model", required=True, help="model preset name (eth.spec.model.PRESETS)")
     p.add_argument("--cluster", required=True, help="cluster YAML file")
-    p.add_argument("--profiles", help="profile JSON file or folder; device types without a profile "
-                                      "for the model get analytic profiles in memory")
-    p.add_argument("--gbs", type=int, required=True, help="global batch size")
-    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--profiles", help="profile JSON file or folder (without it: analytic profiles in memory "
+                                      "for every device type)")
+    p.add_argument("--profiles-fallback", choices=("none", "analytic"), default="none",
+                   help="what a device type gets when --profiles has no entry for the model's shape: "
+                        "none = an error naming the shape, analytic = roofline profiles in memory")
+    p.add_argument("--gbs", "--global-batch-size", dest="gbs", type=int, required=True, help="global batch size")
     p.add_argument("--attention", choices=("unfused", "fused"),
                    help="attention op set (default: the preset's): unfused = score, softmax, attn-dropout, "
                         "context ops; fused = one fused-attention op (eth.spec.model.ModelSpec.attention)")
@@ -48,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=usable_cpus(),
                    help="processes the search may use at once (default: the CPUs this process may "
                         "run on); the plan is the same for any value")
+    add_model_args(p)
     t = p.add_argument_group("training setup (memory and Eq. 6; recorded in the plan, used by the runtime)")
     t.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
                    help="weights and activations (the optimizer keeps fp32 main weights)")
@@ -61,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _main(argv=None) -> int:
     args = parse_args(argv)
     from eth.cli.common import check_output_file
+    from eth.errors import SpecError
     from eth.spec.cluster import load_cluster
-    from eth.spec.model import get_model
+    from eth.spec.model_source import model_from_args
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
     from eth.spec.precision import TrainSetup
@@ -71,10 +76,15 @@ def _main(argv=None) -> int:
 
     if args.output:  # before the search, so that a long search's result is not lost
         check_output_file(args.output)
-    model = get_model(args.model, seq_len=args.seq, attention=args.attention)
+    model = model_from_args(args, attention=args.attention)
     cluster = load_cluster(args.cluster)
     db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
     added = db.ensure(model, cluster.types.values())
+    if args.profiles and added and args.profiles_fallback == "none":
+        raise SpecError(f"--profiles {args.profiles} has no entry for model {model.name} (hidden {model.hidden}, "
+                        f"heads {model.heads}, kv_heads {model.kv_heads}, ffn {model.ffn}, seq {model.seq_len}, "
+                        f"vocab {model.vocab}) on {', '.join(added)}: profile it with tools/profile_ops.py, "
+                        f"or pass --profiles-fallback analytic")
     options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
                             skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
                             seeds=not args.no_seeds,

@@ -57,7 +57,10 @@ def _main(argv=None) -> int:
     recorded_path = plan.search.get("profiles_path")
     if args.profiles:
         where = args.profiles
-    elif isinstance(recorded_path, str) and Path(recorded_path).exists():
+    elif isinstance(recorded_path, str) and not Path(recorded_path).exists():
+        raise SpecError(f"the plan was searched with the profiles {recorded_path} (plan.search.profiles_path), "
+                        f"which do not exist here: pass --profiles PATH")
+    elif isinstance(recorded_path, str):
         where = recorded_path
     elif DEFAULT_PROFILES.is_dir() and any(DEFAULT_PROFILES.glob("*.json")):
         where = str(DEFAULT_PROFILES)
@@ -121,7 +124,8 @@ def profile_mismatch(plan, profiles, analytic, where, simulated_ms: float) -> st
         return None
     fmt = lambda d: ", ".join(f"{t}: {k}" for t, k in sorted(d.items()))
     path = plan.search.get("profiles_path")
-    made = f"{fmt(want)}" + (f" from {path}, not found" if path and path != where else "")
+    made = f"{fmt(want)}" + (f" from {path}" + ("" if Path(path).exists() else ", not found")
+                              if path and path != where else "")
     line = (f"note: the plan was searched with {made}; scored here with {fmt(_kinds(used))}"
             f" ({where or 'generated'}; give --profiles to choose)")
     predicted = plan.predicted.get("iteration_ms")

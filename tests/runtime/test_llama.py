@@ -7,7 +7,7 @@ independently of megatron-core and of megatron/hpp/models/llama.py:
 * a GPT with fused attention equals its 13-op form;
 * recomputing any single op, or every op, of either op set changes neither the loss
   nor a gradient (bit for bit, with dropout 0.2 so that masks must be replayed);
-* ONE launch of 5 gloo ranks trains four heterogeneous plans in turn and each equals
+* ONE launch of 5 gloo ranks trains six heterogeneous plans in turn and each equals
   the single-process reference (losses and final parameters to 1e-5, 3 AdamW steps,
   clipping active): (A) tp 2 and tp 1 pipelines holding the same layers (2 kv heads:
   one per tp 2 rank) plus a 2-stage pipeline, lbs 8 / 6 / 2 with mbs 4 / 3 / 1;
@@ -15,7 +15,9 @@ independently of megatron-core and of megatron/hpp/models/llama.py:
   attention, rotary, swiglu, norms, GEMMs); (C) the unfused op set: a tp 2 stage with
   score / softmax / context recomputed and a dp 2 pipeline, lbs 10 / 6; (D) tp 4 > kv_heads
   2 (megatron-core's path: the qkv output all-gathered, one kv head per rank shared by
-  two ranks), qkv recomputed, next to a tp 1 pipeline;
+  two ranks), qkv recomputed, next to a tp 1 pipeline; (E) the Mistral-shaped and (F) the
+  LLaMA-shaped HuggingFace config.json of examples/models/ (rope_theta and norm eps from
+  the file), each under a heterogeneous plan;
 * a tp that neither divides kv_heads nor is a multiple of it is refused by plan
   validation with the numbers;
 * the profiler measures every LLaMA op's saved bytes as op_shapes counts them;
@@ -43,18 +45,16 @@ def llama_loss(spec, p, tokens):
     import torch
     import torch.nn.functional as F
 
-    from megatron.hpp.models.gpt import LN_EPS
-
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     b, s = inputs.shape
     a, kv, d = spec.heads, spec.kv_heads, spec.head_dim
     g = a // kv
 
     def rms(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + LN_EPS) * w
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps) * w
 
     half = d // 2
-    theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / d)
+    theta = spec.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / d)
     angle = torch.arange(s, dtype=torch.float64)[:, None] * theta[None, :]      # [s, d/2]
     cos, sin = angle.cos().float()[None, :, None, :], angle.sin().float()[None, :, None, :]
 
@@ -90,6 +90,7 @@ def _spec(attention="fused", **kw):
 # ------------------------------------------------------------------ plans (5 ranks, gbs 16)
 def _plans():
     import _rt_plans as rp
+    from eth.spec.model_source import load_model
     from eth.spec.plan import PipelinePlan, Plan
 
     st = rp.stage
@@ -111,7 +112,15 @@ def _plans():
         PipelinePlan(2, 6, [st([3, 4], 1, 2, (0, 4))])])
     d = make(_spec(), [PipelinePlan(4, 12, [st([0, 1, 2, 3], 4, 1, (0, 4), {"qkv": 2, "rotary": 1})]),
                        PipelinePlan(2, 4, [st([4], 1, 1, (0, 4))])])
-    return {"A": a, "B": b, "C": c, "D": d}
+    # HuggingFace config.json models (examples/models/): Mistral-shaped (2 kv heads, ffn 128,
+    # rope_theta 1e6, rms eps 1e-6) and LLaMA-shaped, each under a heterogeneous plan
+    mistral = replace(load_model(str(REPO / "examples/models/mistral-tiny/config.json")), attention="fused")
+    llama = load_model(str(REPO / "examples/models/llama-tiny/config.json"))
+    e = make(mistral, [PipelinePlan(2, 10, [st([0, 1], 2, 1, (0, 3), {"rotary": 2}), st([2], 1, 1, (3, 4))]),
+                       PipelinePlan(2, 6, [st([3, 4], 1, 2, (0, 4))])])
+    f = make(llama, [PipelinePlan(4, 12, [st([0], 1, 1, (0, 2)), st([1, 2], 2, 1, (2, 4), {"softmax": 2})]),
+                     PipelinePlan(2, 4, [st([3, 4], 1, 2, (0, 4))])])
+    return {"A": a, "B": b, "C": c, "D": d, "E": e, "F": f}
 
 
 def _rank_main(out: Path, plan_paths: list[str]) -> int:
@@ -303,7 +312,7 @@ def test_transformer_engine_attention_equals_sdpa_on_cuda():
     assert torch.allclose(te_out.float(), sdpa_out.float(), atol=2e-2)
 
 
-# ------------------------------------------------------------------ one launch, three plans
+# ------------------------------------------------------------------ one launch, six plans
 def test_heterogeneous_plans_equal_single_process(tmp_path):
     import torch
 
@@ -324,9 +333,9 @@ def test_heterogeneous_plans_equal_single_process(tmp_path):
     refs = {}
     for name, plan in plans.items():
         spec = plan.model
-        if spec.attention not in refs:
-            refs[spec.attention] = train_reference(spec, 16, ITERS, clip=CLIP, forward=llama_loss)
-        ref_losses, ref_params = refs[spec.attention]
+        if spec not in refs:
+            refs[spec] = train_reference(spec, 16, ITERS, clip=CLIP, forward=llama_loss)
+        ref_losses, ref_params = refs[spec]
         saved = torch.load(tmp_path / f"{name}.pt")
         assert saved["losses"] == pytest.approx(ref_losses, abs=TOL), (name, saved["losses"], ref_losses)
         assert set(saved["params"]) == set(ref_params)
@@ -334,10 +343,13 @@ def test_heterogeneous_plans_equal_single_process(tmp_path):
         assert worst < TOL, f"plan {name}: largest parameter difference {worst:.3g}"
     # the runs moved the weights, so equality is not trivial; fused == unfused mathematically
     spec = plans["A"].model
-    moved = max((refs["fused"][1][s.name] - full_parameter(spec, s, 1234)).abs().max().item()
+    moved = max((refs[spec][1][s.name] - full_parameter(spec, s, 1234)).abs().max().item()
                 for s in all_specs(spec))
     assert moved > 1e-3
-    assert refs["fused"][0] == pytest.approx(refs["unfused"][0], abs=TOL)
+    assert refs[spec][0] == pytest.approx(refs[plans["C"].model][0], abs=TOL)
+    # the config.json models are what their files say, and their runs differ from tiny-llama's
+    assert (plans["E"].model.kv_heads, plans["E"].model.rope_theta, plans["E"].model.norm_eps) == (2, 1e6, 1e-6)
+    assert refs[plans["E"].model][0] != pytest.approx(refs[spec][0], abs=1e-3)
 
 
 if __name__ == "__main__":

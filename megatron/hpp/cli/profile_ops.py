@@ -28,10 +28,12 @@ from eth.errors import SpecError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from eth.spec.model_source import add_model_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--model", help="model preset (eth.spec.model.PRESETS); required unless --collectives-only")
-    p.add_argument("--seq", type=int, help="sequence length override")
+    add_model_args(p, required=False, model_help="model: a preset, a model YAML file or a HuggingFace "
+                                                 "config.json; required unless --collectives-only")
     p.add_argument("--attention", choices=("unfused", "fused"),
                    help="attention op set override (default: the preset's; eth.spec.model.ModelSpec.attention)")
     p.add_argument("--device-type", required=True, help="catalog / cluster device type to file the profile under")
@@ -65,16 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    from eth.spec.model import get_model
     from eth.profiles.db import load_profile
+    from eth.spec.model_source import model_from_args
 
     if args.collectives_only:
         return _collectives_only(args, argv)
     if args.model is None:
         raise SpecError("--model is required (unless --collectives-only)")
-    if args.seq is not None and args.seq <= 0:
-        raise SpecError(f"--seq must be positive, got {args.seq}")
-    model = get_model(args.model, seq_len=args.seq, attention=args.attention)
+    model = model_from_args(args, attention=args.attention)
     mbs, tp = int_list(args.mbs), int_list(args.tp)
     sizes = int_list(args.collective_sizes) if args.collective_sizes else None
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

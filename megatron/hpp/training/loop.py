@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eth.errors import SpecError
 from eth.spec.plan import load_plan
@@ -44,6 +44,9 @@ class TrainConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float | None = None
+    plan_flags: dict = field(default_factory=dict)
+    """Megatron's flags for what the plan decides, as given ({argparse dest: value};
+    ``eth.spec.plan_flags``): checked against the plan."""
     """Cosine-decay floor; None keeps the lr constant after warm-up."""
     warmup: int = 0
     """Linear warm-up iterations."""
@@ -186,9 +189,11 @@ def prepare(cfg: TrainConfig):
     """Step 1 (no process group; torch is imported only to read a --load checkpoint's
     metadata): returns (plan, layout, rank)."""
     from eth.layout.blocks import GradLayout
+    from eth.spec.plan_flags import check_plan_flags
     from megatron.hpp.parallel.topology import check_plan
 
     plan = load_plan(cfg.plan)
+    check_plan_flags(plan, cfg.plan_flags)
     world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     if "WORLD_SIZE" not in os.environ and plan.world_size != 1:
         raise SpecError(f"plan needs {plan.world_size} ranks, WORLD_SIZE is not set (one process): "

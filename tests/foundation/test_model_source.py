@@ -1,0 +1,164 @@
+"""--model as a preset, a model YAML file or a HuggingFace config.json, Megatron's model
+flags on top (eth.spec.model_source), and the flags the plan decides (eth.spec.plan_flags)."""
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from eth.errors import SpecError
+from eth.spec.model import PRESETS
+from eth.spec.model_source import apply_overrides, from_hf_config, load_model
+from eth.spec.plan import load_plan
+from eth.spec.plan_flags import check_plan_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 32, "vocab_size": 256, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+         "rope_theta": 500000.0, "tie_word_embeddings": False}
+
+
+def test_presets_yaml_and_hf_files():
+    assert load_model("gpt3-13b") is PRESETS["gpt3-13b"]
+    assert load_model(str(ROOT / "examples/models/tiny-gpt.yaml")) == replace(PRESETS["tiny"], name="tiny-gpt")
+    # the shipped LLaMA-shaped config is tiny-llama's shape (tiny-llama uses fused attention)
+    llama = load_model(str(ROOT / "examples/models/llama-tiny/config.json"))
+    assert replace(llama, name="tiny-llama", attention="fused") == PRESETS["tiny-llama"]
+    mistral = load_model(str(ROOT / "examples/models/mistral-tiny/config.json"))
+    assert (mistral.name, mistral.kv_heads, mistral.ffn, mistral.rope_theta, mistral.norm_eps) == \
+        ("mistral-tiny", 2, 128, 1e6, 1e-6)
+
+
+def test_hf_llama_fields():
+    m = from_hf_config(LLAMA, name="x")
+    assert (m.num_layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.seq_len, m.vocab) == (4, 64, 4, 2, 96, 32, 256)
+    assert (m.norm, m.position, m.swiglu, m.bias, m.norm_eps, m.rope_theta) == \
+        ("rmsnorm", "rope", True, False, 1e-6, 500000.0)
+    assert from_hf_config({**LLAMA, "num_key_value_heads": None}).kv_heads == 4   # absent: multi-head
+
+
+def test_hf_gpt_neox_and_gpt2():
+    neox = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 64,
+            "rotary_pct": 1.0, "use_parallel_residual": False, "hidden_act": "gelu", "tie_word_embeddings": False}
+    m = from_hf_config(neox)
+    assert (m.norm, m.position, m.bias, m.swiglu, m.ffn) == ("layernorm", "rope", True, False, 256)
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32,
+            "vocab_size": 256, "activation_function": "gelu", "tie_word_embeddings": False,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    m = from_hf_config(gpt2)
+    assert (m.position, m.ffn, m.dropout, m.seq_len) == ("learned", 256, 0.0, 32)
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({**LLAMA, "architectures": ["Qwen2ForCausalLM"]}, ["Qwen2ForCausalLM is not supported", "q, k and v"]),
+    ({**LLAMA, "architectures": ["FalconForCausalLM"]}, ["FalconForCausalLM is not supported"]),
+    ({**LLAMA, "tie_word_embeddings": True}, ["tie_word_embeddings true"]),
+    ({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}, ["rope_scaling"]),
+    ({**LLAMA, "hidden_act": "gelu"}, ["hidden_act 'gelu'"]),
+    ({**LLAMA, "attention_bias": True}, ["attention_bias true"]),
+    ({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 16}, ["sliding_window 16 shorter"]),
+    ({**LLAMA, "head_dim": 32}, ["head_dim 32"]),
+    ({k: v for k, v in LLAMA.items() if k != "intermediate_size"}, ["missing 'intermediate_size'"]),
+    ({"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32,
+      "vocab_size": 256, "tie_word_embeddings": False}, ["activation_function 'gelu_new'"]),
+    ({"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64, "intermediate_size": 256,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 64},
+     ["use_parallel_residual true"]),
+])
+def test_unsupported_configs_are_refused_by_name(cfg, words):
+    with pytest.raises(SpecError) as err:
+        from_hf_config(cfg)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_sliding_window_as_long_as_the_sequence_is_plain_attention():
+    assert from_hf_config({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 32}).seq_len == 32
+
+
+def test_megatron_overrides():
+    m70 = PRESETS["llama2-70b"]
+    assert apply_overrides(m70, {"num_attention_heads": 32}).kv_heads == 32        # alone: multi-head
+    assert apply_overrides(m70, {"num_attention_heads": 32, "num_query_groups": 4}).kv_heads == 4
+    assert apply_overrides(m70, {"hidden_size": 4096}).ffn == m70.ffn             # an explicit ffn stays
+    gpt = apply_overrides(PRESETS["gpt3-13b"], {"hidden_size": 4096, "num_attention_heads": 32})
+    assert (gpt.ffn, gpt.kv_heads) == (4 * 4096, 32)                               # Megatron's default ffn
+    m = apply_overrides(PRESETS["tiny"], {"normalization": "RMSNorm", "position_embedding_type": "rope",
+                                          "swiglu": True, "seq_length": 64, "vocab_size": 512, "num_layers": 2})
+    assert (m.norm, m.position, m.swiglu, m.seq_len, m.vocab, m.num_layers) == ("rmsnorm", "rope", True, 64, 512, 2)
+    with pytest.raises(SpecError, match="--num-attention-heads 7 does not divide --hidden-size 64"):
+        apply_overrides(PRESETS["tiny"], {"num_attention_heads": 7})
+    with pytest.raises(SpecError, match="--num-query-groups 3 does not divide --num-attention-heads 4"):
+        apply_overrides(PRESETS["tiny"], {"num_query_groups": 3})
+    with pytest.raises(SpecError, match="--num-layers must be a positive integer, got 0"):
+        apply_overrides(PRESETS["tiny"], {"num_layers": 0})
+
+
+def test_bad_model_sources(tmp_path):
+    with pytest.raises(SpecError, match="unknown model 'gpt5'"):
+        load_model("gpt5")
+    with pytest.raises(SpecError, match="no such file"):
+        load_model(str(tmp_path / "none.json"))
+    (tmp_path / "m.yaml").write_text("num_layers: 2\nhidden: 64\nheads: 4\nwidth: 3\n")
+    with pytest.raises(SpecError, match=r"unknown field\(s\) \['width'\]"):
+        load_model(str(tmp_path / "m.yaml"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SpecError, match="not a readable JSON file"):
+        load_model(str(tmp_path / "bad.json"))
+
+
+def test_plan_flags_must_match_the_plan():
+    plan = load_plan(ROOT / "examples/plans/cpu-demo.json")
+    mbs = sorted({p.mbs for p in plan.pipelines})
+    check_plan_flags(plan, {"global_batch_size": plan.gbs, "seq_length": plan.model.seq_len,
+                            "hidden_size": plan.model.hidden, "tensor_model_parallel_size": 1,
+                            "normalization": "LayerNorm", "micro_batch_size": None})
+    with pytest.raises(SpecError, match=f"--global-batch-size {2 * plan.gbs} but the plan has {plan.gbs};"):
+        check_plan_flags(plan, {"global_batch_size": 2 * plan.gbs})
+    if len(mbs) > 1:
+        with pytest.raises(SpecError, match=r"--micro-batch-size .* \(per pipeline\)"):
+            check_plan_flags(plan, {"micro_batch_size": mbs[0]})
+    with pytest.raises(SpecError, match=r"--num-attention-heads 8 does not match the plan's model tiny "
+                                        r"\(heads 4, kv_heads 4\)"):
+        check_plan_flags(plan, {"num_attention_heads": 8})
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_search_hpp_takes_a_config_json_and_megatron_flags(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = _cli("tools/search_hpp.py", "--model", "examples/models/llama-tiny/config.json", "--attention", "fused",
+                "--num-layers", "6", "--cluster", "examples/clusters/cpu-demo.yaml", "--global-batch-size", "16",
+                "--seq-length", "32", "--profiles", "profiles/measured/cpu.json", "--precision", "fp32",
+                "--no-progress", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    model = load_plan(out).model
+    assert (model.name, model.num_layers, model.kv_heads, model.attention) == ("llama-tiny", 6, 2, "fused")
+    # a shape the explicit profiles lack is an error naming it, unless analytic ones are asked for
+    args = ["tools/search_hpp.py", "--model", "examples/models/mistral-tiny/config.json", "--cluster",
+            "examples/clusters/cpu-demo.yaml", "--gbs", "16", "--profiles", "profiles/measured/cpu.json",
+            "--no-progress"]
+    proc = _cli(*args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "has no entry for model mistral-tiny (hidden 64, heads 4, kv_heads 2" in proc.stderr
+    assert "--profiles-fallback analytic" in proc.stderr
+    assert _cli(*args, "--profiles-fallback", "analytic").returncode == 0
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**LLAMA, "architectures": ["Qwen2ForCausalLM"]}))
+    proc = _cli("tools/search_hpp.py", "--model", str(bad), "--cluster", "examples/clusters/cpu-demo.yaml",
+                "--gbs", "16")
+    assert proc.returncode == 2 and "architecture Qwen2ForCausalLM is not supported" in proc.stderr
+
+
+def test_pretrain_gpt_checks_megatron_flags_against_the_plan():
+    for flags, words in [(["--micro-batch-size", "5"], "--micro-batch-size 5 but the plan has"),
+                         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 but the plan has 1"),
+                         (["--seq-length", "64"], "--seq-length 64 does not match the plan's model tiny (seq_len 32)"),
+                         (["--lr-decay-style", "constant", "--min-lr", "0.1"], "--lr-decay-style constant with")]:
+        proc = _cli("pretrain_gpt.py", "--hpp-plan", "examples/plans/cpu-demo.json", "--train-iters", "2", *flags)
+        assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
