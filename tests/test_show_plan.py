@@ -13,7 +13,7 @@ from eth.cli.common import run_main
 from eth.spec.cluster import Cluster
 from eth.cost.model import CostModel
 from eth.spec.model import get_model
-from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.spec.plan import PipelinePlan, Plan, StagePlan, load_plan
 from eth.profiles.db import ProfileDB, analytic_profile, save_profile
 from eth.report.tables import format_plan_table, format_ranks, format_recompute, format_sim_summary
 from eth.report.simulate import simulate
@@ -186,3 +186,22 @@ def test_search_records_the_profiles_path(tmp_path, capsys):
                        "--gbs", "16", "--profiles", str(prof), "--no-progress", "-o", str(out)]) == 0
     search = load_plan(out).search
     assert search["profiles_path"] == str(prof.resolve())
+
+
+def test_a_plan_made_in_another_clone_finds_its_profiles_here(tmp_path, capsys):
+    """search.profiles_path is absolute; inside a checkout the plan also records the path
+    relative to it (profiles_checkout_path), which resolves in this clone."""
+    from eth.cli import show_plan as cli
+
+    plan = load_plan(ROOT / "examples/plans/cpu-demo.json")
+    assert plan.search["profiles_checkout_path"] == "profiles/measured/cpu.json"
+    plan.search["profiles_path"] = str(tmp_path / "elsewhere" / "profiles" / "measured" / "cpu.json")
+    plan.save(tmp_path / "plan.json")
+    assert run_main(cli.main, [str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"(profiles: {ROOT / 'profiles/measured/cpu.json'}, the ones the plan was searched with)" in out
+    assert "note:" not in out
+    del plan.search["profiles_checkout_path"]
+    plan.save(tmp_path / "plan.json")
+    assert run_main(cli.main, [str(tmp_path / "plan.json")]) == 2
+    assert "which do not exist here: pass --profiles PATH" in capsys.readouterr().err

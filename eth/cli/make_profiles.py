@@ -22,6 +22,7 @@ including the tp all-reduces.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from eth.profiles.aceso import import_aceso
@@ -147,7 +148,7 @@ def _main(argv=None) -> int:
     devices = catalog()
     names = _names(args.devices, list(devices), "device")
     overrides = overrides_of(args)
-    models = [apply_overrides(load_model(n), overrides)
+    models = [apply_overrides(load_model(n, overrides.get("seq_length")), overrides)
               for n in (list(PRESETS) if args.models == "all" else _names(args.models, None, "model"))]
     _check_entries(models, args.tp)
     # build and validate every file before the first write

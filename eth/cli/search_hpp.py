@@ -12,6 +12,9 @@ from pathlib import Path
 
 from eth.planner.options import STRATEGIES
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The checkout (or install prefix) this module runs from."""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     from eth.spec.model_source import add_model_args
@@ -98,7 +101,10 @@ def _main(argv=None) -> int:
     plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
                                else db.get(t).source for t in sorted(cluster.types)}
     if args.profiles:  # so that tools/show_plan.py scores the plan with the same profiles
-        plan.search["profiles_path"] = str(Path(args.profiles).resolve())
+        where = Path(args.profiles).resolve()
+        plan.search["profiles_path"] = str(where)
+        if where.is_relative_to(CHECKOUT):   # found again in another clone of the repository
+            plan.search["profiles_checkout_path"] = where.relative_to(CHECKOUT).as_posix()
     if added:  # said after the search so that an error stays a single line
         plan.search["analytic_profiles"] = added
         print(f"note: analytic profiles (roofline estimates) for {model.name} on "

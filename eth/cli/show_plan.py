@@ -29,7 +29,8 @@ from eth.report.tables import format_legend, format_plan_table, format_sim_summa
 from eth.report.simulate import SimOptions, simulate
 
 # the checkout's shipped profiles (absent in a wheel install: analytic ones are generated)
-DEFAULT_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+CHECKOUT = Path(__file__).resolve().parents[2]
+DEFAULT_PROFILES = CHECKOUT / "profiles"
 
 
 def _main(argv=None) -> int:
@@ -54,13 +55,13 @@ def _main(argv=None) -> int:
         raise SpecError(f"--optimizer-passes must be >= 0, got {args.optimizer_passes}")
 
     plan = load_plan(args.plan)
-    recorded_path = plan.search.get("profiles_path")
+    recorded_path = recorded_profiles(plan)
     if args.profiles:
         where = args.profiles
-    elif isinstance(recorded_path, str) and not Path(recorded_path).exists():
+    elif recorded_path is not None and not Path(recorded_path).exists():
         raise SpecError(f"the plan was searched with the profiles {recorded_path} (plan.search.profiles_path), "
                         f"which do not exist here: pass --profiles PATH")
-    elif isinstance(recorded_path, str):
+    elif recorded_path is not None:
         where = recorded_path
     elif DEFAULT_PROFILES.is_dir() and any(DEFAULT_PROFILES.glob("*.json")):
         where = str(DEFAULT_PROFILES)
@@ -106,6 +107,18 @@ def _main(argv=None) -> int:
     return 0
 
 
+def recorded_profiles(plan) -> str | None:
+    """The profiles the plan was searched with: ``search.profiles_path`` where it exists,
+    else the same file in this checkout (``search.profiles_checkout_path``, for a plan
+    made in another clone), else the recorded path (None: none recorded)."""
+    path, in_checkout = plan.search.get("profiles_path"), plan.search.get("profiles_checkout_path")
+    if not isinstance(path, str):
+        return None
+    if not Path(path).exists() and isinstance(in_checkout, str) and (CHECKOUT / in_checkout).exists():
+        return str(CHECKOUT / in_checkout)
+    return path
+
+
 def _kinds(sources: dict) -> dict:
     """{device type: first word of the source} ("analytic (generated ...)" -> "analytic")."""
     return {t: str(src).split()[0] if str(src).split() else "" for t, src in sources.items()}
@@ -123,7 +136,7 @@ def profile_mismatch(plan, profiles, analytic, where, simulated_ms: float) -> st
     if _kinds(used) == want:
         return None
     fmt = lambda d: ", ".join(f"{t}: {k}" for t, k in sorted(d.items()))
-    path = plan.search.get("profiles_path")
+    path = recorded_profiles(plan)
     made = f"{fmt(want)}" + (f" from {path}" + ("" if Path(path).exists() else ", not found")
                               if path and path != where else "")
     line = (f"note: the plan was searched with {made}; scored here with {fmt(_kinds(used))}"

@@ -110,11 +110,14 @@ class ModelSpec:
     """Base of the rotary embedding's frequencies (position "rope"; numerics only)."""
 
     def __post_init__(self):
+        for name in ("num_layers", "hidden", "heads", "seq_len", "vocab"):
+            if not is_count(getattr(self, name)):
+                raise SpecError(f"model.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
-        for name in ("num_layers", "hidden", "heads", "ffn", "seq_len", "vocab", "kv_heads"):
+        for name in ("ffn", "kv_heads"):
             value = getattr(self, name)
             if not is_count(value):
                 raise SpecError(f"model.{name} must be a positive integer, got {value!r}")

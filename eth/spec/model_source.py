@@ -21,8 +21,10 @@ adds them to a parser, :func:`model_from_args` reads them):
     --seq-length (--seq) --vocab-size --normalization --position-embedding-type --swiglu
 
 ``--num-attention-heads`` alone keeps multi-head attention (the key/value heads follow the
-heads unless ``--num-query-groups`` is given), and ``--hidden-size`` alone moves a 4 x
-hidden MLP with it (Megatron's default ffn), as Megatron reads the same flags.
+heads unless ``--num-query-groups`` is given), and a model whose ffn is 4 x hidden keeps
+Megatron's default ffn: ``--hidden-size`` moves it, ``--swiglu`` turns it into Megatron's
+SwiGLU default int(4h x 2/3 / 64) x 64; ``--vocab-size`` is the padded vocabulary (ours has
+no padding step).  ``--group-query-attention`` is accepted and changes nothing.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from eth.errors import SpecError
+from eth.errors import SpecError, is_count, is_number
 from eth.fileio import read_yaml
 from eth.spec.model import PRESETS, ModelSpec
 
@@ -52,8 +54,9 @@ POSITION_TYPES = {"learned_absolute": "learned", "rope": "rope"}
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel")
 
 
-def load_model(source: str) -> ModelSpec:
-    """The model ``source`` names (module docstring)."""
+def load_model(source: str, seq_len: int | None = None) -> ModelSpec:
+    """The model ``source`` names (module docstring); ``seq_len`` (``--seq-length``), when
+    given, is the sequence length a HuggingFace config's limits are checked against."""
     if source in PRESETS:
         return PRESETS[source]
     path = Path(source)
@@ -63,14 +66,21 @@ def load_model(source: str) -> ModelSpec:
         data = read_yaml(path, "model")
         if not isinstance(data, dict):
             raise SpecError(f"{source}: a model file is a mapping of ModelSpec fields, got {type(data).__name__}")
-        data = {"name": path.stem, **data}
-        return ModelSpec.from_dict(data, where=str(source))
+        for key in ("norm_eps", "rope_theta", "dropout"):     # YAML 1.1 reads 1e-6 as a string
+            if isinstance(data.get(key), str):
+                try:
+                    data[key] = float(data[key])
+                except ValueError:
+                    raise SpecError(f"{source}: {key} must be a number, got {data[key]!r}") from None
+        return ModelSpec.from_dict({"name": path.stem, **data}, where=str(source))
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise SpecError(f"{source}: not a readable JSON file ({err})") from None
-        return from_hf_config(data, name=_hf_name(path, data), where=str(source))
+        if not isinstance(data, dict):
+            raise SpecError(f"{source}: a HuggingFace config is a JSON object, got {type(data).__name__}")
+        return from_hf_config(data, name=_hf_name(path, data), where=str(source), seq_len=seq_len)
     raise SpecError(f"unknown model {source!r}: give a preset ({', '.join(PRESETS)}), a model YAML file "
                     f"or a HuggingFace config.json")
 
@@ -82,9 +92,18 @@ def _hf_name(path: Path, data: dict) -> str:
     return path.parent.name if path.stem == "config" and path.parent.name else path.stem
 
 
-def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelSpec:
+# Defaults of the transformers config classes for keys a config.json may leave out
+HF_DEFAULTS = {
+    "LlamaForCausalLM": {"num_key_value_heads": None, "sliding_window": None},
+    "MistralForCausalLM": {"num_key_value_heads": 8, "sliding_window": 4096},
+}
+
+
+def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json",
+                   seq_len: int | None = None) -> ModelSpec:
     """A ModelSpec from a HuggingFace ``config.json`` dict (module docstring); refuses by
-    name what our layers do not implement."""
+    name what our layers do not implement.  ``seq_len`` replaces max_position_embeddings
+    (a sliding window is checked against the sequence actually trained)."""
     if not isinstance(cfg, dict):
         raise SpecError(f"{where}: a HuggingFace config is a JSON object")
     archs = cfg.get("architectures") or []
@@ -94,10 +113,20 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                         + ("" if arch != "Qwen2ForCausalLM" else " (Qwen2 has biases on q, k and v only; our "
                            "layers have biases in every linear layer or in none)"))
 
-    def need(key):
-        if key not in cfg:
+    def count(key, default=None):
+        if key not in cfg and default is None:
             raise SpecError(f"{where}: {arch} config is missing {key!r}")
-        return cfg[key]
+        value = cfg.get(key, default)
+        if not is_count(value):
+            raise SpecError(f"{where}: {arch} config needs {key!r} as a positive integer, got {value!r}")
+        return value
+
+    def number(key, default):
+        value = cfg.get(key)
+        value = default if value is None else value
+        if isinstance(value, bool) or not is_number(value) or value < 0:
+            raise SpecError(f"{where}: {arch} config needs {key!r} as a number >= 0, got {value!r}")
+        return float(value)
 
     def refuse(what):
         raise SpecError(f"{where}: {arch} with {what} is not supported by our layers")
@@ -106,57 +135,72 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         refuse("tie_word_embeddings true (input and output embeddings are untied here)")
     if cfg.get("rope_scaling"):
         refuse(f"rope_scaling {cfg['rope_scaling']!r}")
+    rope = cfg.get("rope_parameters") or {}          # newer transformers keep rope settings here
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+        refuse(f"rope_parameters {rope!r} (only the default rope)")
     if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        defaults = HF_DEFAULTS[arch]
         if cfg.get("hidden_act", "silu") != "silu":
             refuse(f"hidden_act {cfg['hidden_act']!r} (the gated MLP is SwiGLU: silu)")
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 refuse(f"{key} true")
-        heads = need("num_attention_heads")
-        spec = dict(num_layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
-                    kv_heads=cfg.get("num_key_value_heads") or heads, ffn=need("intermediate_size"),
-                    vocab=need("vocab_size"), seq_len=need("max_position_embeddings"), norm="rmsnorm",
-                    norm_eps=cfg.get("rms_norm_eps", 1e-6), position="rope", rope_theta=cfg.get("rope_theta", 10000.0),
-                    swiglu=True, bias=False, dropout=cfg.get("attention_dropout", 0.0))
-        window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", True) and window < spec["seq_len"]:
-            refuse(f"sliding_window {window} shorter than the sequence ({spec['seq_len']}; "
-                   f"--seq-length {window} or less makes it plain causal attention)")
+        if number("attention_dropout", 0.0):
+            refuse(f"attention_dropout {cfg['attention_dropout']} (our dropout also acts on the residual stream)")
+        heads = count("num_attention_heads")
+        kv = cfg.get("num_key_value_heads", defaults["num_key_value_heads"])
+        spec = dict(num_layers=count("num_hidden_layers"), hidden=count("hidden_size"), heads=heads,
+                    kv_heads=heads if kv is None else count("num_key_value_heads", kv), ffn=count("intermediate_size"),
+                    vocab=count("vocab_size"), seq_len=seq_len or count("max_position_embeddings"), norm="rmsnorm",
+                    norm_eps=number("rms_norm_eps", 1e-6), position="rope",
+                    rope_theta=number("rope_theta", rope.get("rope_theta", 10000.0)),
+                    swiglu=True, bias=False, dropout=0.0)
+        window = cfg.get("sliding_window", defaults["sliding_window"])
+        if window is not None and cfg.get("use_sliding_window", True):
+            window = count("sliding_window", window)
+            if window < spec["seq_len"]:
+                refuse(f"sliding_window {window} shorter than the sequence ({spec['seq_len']}; "
+                       f"--seq-length {window} or less makes it plain causal attention)")
     elif arch == "GPTNeoXForCausalLM":
         if cfg.get("use_parallel_residual", True):
             refuse("use_parallel_residual true (attention and MLP in parallel)")
-        if cfg.get("rotary_pct", 0.25) != 1.0:
+        if number("rotary_pct", 0.25) != 1.0:
             refuse(f"rotary_pct {cfg.get('rotary_pct', 0.25)} (rotary on part of each head)")
         if cfg.get("hidden_act", "gelu") != "gelu":
             refuse(f"hidden_act {cfg['hidden_act']!r} (the MLP uses the exact GELU)")
         if not cfg.get("attention_bias", True):
             refuse("attention_bias false (biases in every linear layer or in none)")
-        spec = dict(num_layers=need("num_hidden_layers"), hidden=need("hidden_size"),
-                    heads=need("num_attention_heads"), ffn=need("intermediate_size"), vocab=need("vocab_size"),
-                    seq_len=need("max_position_embeddings"), norm_eps=cfg.get("layer_norm_eps", 1e-5),
-                    position="rope", rope_theta=cfg.get("rotary_emb_base", 10000.0),
+        theta = cfg.get("rotary_emb_base", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        spec = dict(num_layers=count("num_hidden_layers"), hidden=count("hidden_size"),
+                    heads=count("num_attention_heads"), ffn=count("intermediate_size"), vocab=count("vocab_size"),
+                    seq_len=seq_len or count("max_position_embeddings"), norm_eps=number("layer_norm_eps", 1e-5),
+                    position="rope", rope_theta=theta,
                     dropout=_one_dropout(cfg, ("hidden_dropout", "attention_dropout"), where))
     else:   # GPT2LMHeadModel
         if cfg.get("activation_function", "gelu_new") != "gelu":
             refuse(f"activation_function {cfg.get('activation_function', 'gelu_new')!r} (the MLP uses "
                    f"the exact GELU)")
-        hidden = need("n_embd")
-        spec = dict(num_layers=need("n_layer"), hidden=hidden, heads=need("n_head"),
-                    ffn=cfg.get("n_inner") or 4 * hidden, vocab=need("vocab_size"), seq_len=need("n_positions"),
-                    norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        hidden = count("n_embd")
+        spec = dict(num_layers=count("n_layer"), hidden=hidden, heads=count("n_head"),
+                    ffn=count("n_inner") if cfg.get("n_inner") is not None else 4 * hidden,
+                    vocab=count("vocab_size"), seq_len=seq_len or count("n_positions"),
+                    norm_eps=number("layer_norm_epsilon", 1e-5),
                     dropout=_one_dropout(cfg, ("resid_pdrop", "embd_pdrop", "attn_pdrop"), where, 0.1))
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * spec["heads"] != spec["hidden"]:
-        refuse(f"head_dim {head_dim} (not hidden_size / num_attention_heads = "
+    if head_dim is not None and (not is_count(head_dim) or head_dim * spec["heads"] != spec["hidden"]):
+        refuse(f"head_dim {head_dim!r} (not hidden_size / num_attention_heads = "
                f"{spec['hidden']} / {spec['heads']})")
     return ModelSpec(name=name, **spec)
 
 
 def _one_dropout(cfg: dict, keys, where: str, default: float = 0.0) -> float:
     values = {k: cfg.get(k, default) for k in keys}
+    bad = {k: v for k, v in values.items() if isinstance(v, bool) or not is_number(v)}
+    if bad:
+        raise SpecError(f"{where}: dropout probabilities must be numbers, got {bad}")
     if len(set(values.values())) > 1:
         raise SpecError(f"{where}: one dropout probability for every dropout here, got {values}")
-    return next(iter(values.values()))
+    return float(next(iter(values.values())))
 
 
 def add_model_args(parser, required: bool = True, model_help: str = "", model: bool = True,
@@ -170,6 +214,8 @@ def add_model_args(parser, required: bool = True, model_help: str = "", model: b
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int, help="alone: the key/value heads follow (multi-head)")
     g.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="accepted for Megatron-LM's command lines: --num-query-groups sets the groups")
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--seq-length", "--seq", dest="seq_length", type=int, help="sequence length")
     g.add_argument("--vocab-size", type=int)
@@ -186,8 +232,14 @@ def overrides_of(args) -> dict:
 def apply_overrides(model: ModelSpec, overrides: dict) -> ModelSpec:
     """``model`` with Megatron's flags (``{argparse dest: value}``) applied; the
     divisibility rules are checked here so that the error names the flags."""
+    unknown = sorted(set(overrides) - set(OVERRIDE_FLAGS))
+    if unknown:
+        raise SpecError(f"unknown model override(s) {unknown}; known: {sorted(OVERRIDE_FLAGS)}")
     for dest, value in overrides.items():
         flag = OVERRIDE_FLAGS[dest][0]
+        for table in ({"normalization": NORMALIZATIONS, "position_embedding_type": POSITION_TYPES}.get(dest),):
+            if table is not None and value not in table:
+                raise SpecError(f"{flag} must be one of {sorted(table)}, got {value!r}")
         if dest not in ("normalization", "position_embedding_type", "swiglu") and (
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise SpecError(f"{flag} must be a positive integer, got {value!r}")
@@ -196,10 +248,14 @@ def apply_overrides(model: ModelSpec, overrides: dict) -> ModelSpec:
         fields["norm"] = NORMALIZATIONS[fields["norm"]]
     if "position" in fields:
         fields["position"] = POSITION_TYPES[fields["position"]]
-    if "heads" in fields and "kv_heads" not in fields:
+    if fields.get("heads", model.heads) != model.heads and "kv_heads" not in fields:
         fields["kv_heads"] = fields["heads"]              # multi-head unless groups are given
-    if "hidden" in fields and "ffn" not in fields and model.ffn == 4 * model.hidden:
-        fields["ffn"] = 4 * fields["hidden"]               # Megatron's default ffn follows hidden
+    if "ffn" not in fields and model.ffn == 4 * model.hidden and not model.swiglu:
+        hidden = fields.get("hidden", model.hidden)       # Megatron's default ffn follows hidden
+        if fields.get("swiglu"):
+            fields["ffn"] = int(4 * hidden * 2 / 3 / 64) * 64    # ... and its SwiGLU default
+        elif "hidden" in fields:
+            fields["ffn"] = 4 * hidden
     hidden, heads = fields.get("hidden", model.hidden), fields.get("heads", model.heads)
     kv = fields.get("kv_heads", model.kv_heads)
     if hidden % heads:
@@ -212,6 +268,6 @@ def apply_overrides(model: ModelSpec, overrides: dict) -> ModelSpec:
 def model_from_args(args, **fields) -> ModelSpec:
     """The ModelSpec of ``args.model`` with the flags of :func:`add_model_args` applied and
     then ModelSpec ``fields`` (e.g. ``attention``; None values ignored)."""
-    model = apply_overrides(load_model(args.model), overrides_of(args))
+    model = apply_overrides(load_model(args.model, getattr(args, "seq_length", None)), overrides_of(args))
     fields = {k: v for k, v in fields.items() if v is not None}
     return replace(model, **fields) if fields else model

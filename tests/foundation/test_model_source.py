@@ -1,6 +1,7 @@
 """--model as a preset, a model YAML file or a HuggingFace config.json, Megatron's model
 flags on top (eth.spec.model_source), and the flags the plan decides (eth.spec.plan_flags)."""
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -75,8 +76,39 @@ def test_unsupported_configs_are_refused_by_name(cfg, words):
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
-def test_a_sliding_window_as_long_as_the_sequence_is_plain_attention():
+def test_a_sliding_window_as_long_as_the_sequence_is_plain_attention(tmp_path):
     assert from_hf_config({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 32}).seq_len == 32
+    # Mistral-7B: 32768 positions, window 4096: usable at --seq-length 4096 (checked after the flag)
+    mistral = {**LLAMA, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps({**mistral, "sliding_window": 4096}))
+    with pytest.raises(SpecError, match="sliding_window 4096 shorter than the sequence"):
+        load_model(str(tmp_path / "config.json"))
+    assert load_model(str(tmp_path / "config.json"), seq_len=4096).seq_len == 4096
+    # absent keys take MistralConfig's defaults (8 kv heads, window 4096), not LLaMA's
+    absent = {k: v for k, v in mistral.items() if k != "num_key_value_heads"}
+    with pytest.raises(SpecError, match="sliding_window 4096 shorter"):
+        from_hf_config({**absent, "num_attention_heads": 32, "hidden_size": 4096})
+    assert from_hf_config({**absent, "num_attention_heads": 32, "hidden_size": 4096}, seq_len=4096).kv_heads == 8
+
+
+def test_newer_rope_parameters_and_bad_values_are_one_line_errors(tmp_path):
+    assert from_hf_config({**LLAMA, "rope_theta": None, "rope_parameters": {"rope_type": "default",
+                                                                            "rope_theta": 1e6}}).rope_theta == 1e6
+    with pytest.raises(SpecError, match="rope_parameters .*llama3"):
+        from_hf_config({**LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8}})
+    for bad, words in [({"max_position_embeddings": None}, "'max_position_embeddings' as a positive integer"),
+                       ({"head_dim": {}}, "head_dim {}"), ({"rms_norm_eps": "x"}, "'rms_norm_eps' as a number"),
+                       ({"attention_dropout": 0.1}, "attention_dropout 0.1")]:
+        with pytest.raises(SpecError, match=re.escape(words)):
+            from_hf_config({**LLAMA, **bad})
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(SpecError, match="a HuggingFace config is a JSON object, got list"):
+        load_model(str(tmp_path / "list.json"))
+    (tmp_path / "m.yaml").write_text("num_layers: 2\nhidden: null\nheads: 4\n")
+    with pytest.raises(SpecError, match="model.hidden must be a positive integer, got None"):
+        load_model(str(tmp_path / "m.yaml"))
+    (tmp_path / "e.yaml").write_text("num_layers: 2\nhidden: 64\nheads: 4\nnorm_eps: 1e-6\n")
+    assert load_model(str(tmp_path / "e.yaml")).norm_eps == 1e-6           # YAML 1.1 reads 1e-6 as text
 
 
 def test_megatron_overrides():
@@ -84,6 +116,10 @@ def test_megatron_overrides():
     assert apply_overrides(m70, {"num_attention_heads": 32}).kv_heads == 32        # alone: multi-head
     assert apply_overrides(m70, {"num_attention_heads": 32, "num_query_groups": 4}).kv_heads == 4
     assert apply_overrides(m70, {"hidden_size": 4096}).ffn == m70.ffn             # an explicit ffn stays
+    assert apply_overrides(m70, {"num_attention_heads": 64}) == m70                # heads unchanged: GQA kept
+    assert apply_overrides(PRESETS["gpt3-1.3b"], {"swiglu": True}).ffn == 5440     # Megatron's SwiGLU default
+    with pytest.raises(SpecError, match=r"--normalization must be one of \['LayerNorm', 'RMSNorm'\]"):
+        apply_overrides(m70, {"normalization": "rmsnorm"})
     gpt = apply_overrides(PRESETS["gpt3-13b"], {"hidden_size": 4096, "num_attention_heads": 32})
     assert (gpt.ffn, gpt.kv_heads) == (4 * 4096, 32)                               # Megatron's default ffn
     m = apply_overrides(PRESETS["tiny"], {"normalization": "RMSNorm", "position_embedding_type": "rope",

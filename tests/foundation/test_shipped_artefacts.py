@@ -22,7 +22,8 @@ def test_there_are_shipped_plans():
 @pytest.mark.parametrize("path", PLANS)
 def test_shipped_plan_prediction_is_current(path):
     plan = load_plan(REPO / path)
-    where = REPO / (plan.search.get("profiles_path") or "profiles")   # paper_eval: the shipped analytic ones
+    # the profiles it was searched with, in this checkout; paper_eval: the shipped analytic ones
+    where = REPO / (plan.search.get("profiles_checkout_path") or "profiles")
     profiles = ProfileDB.load(where)
     profiles.ensure(plan.model, plan.cluster.types.values())
     now = CostModel(plan.model, plan.cluster, profiles, plan.training).evaluate(plan)

@@ -44,10 +44,10 @@ class TrainConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float | None = None
+    """Cosine-decay floor; None keeps the lr constant after warm-up."""
     plan_flags: dict = field(default_factory=dict)
     """Megatron's flags for what the plan decides, as given ({argparse dest: value};
     ``eth.spec.plan_flags``): checked against the plan."""
-    """Cosine-decay floor; None keeps the lr constant after warm-up."""
     warmup: int = 0
     """Linear warm-up iterations."""
     weight_decay: float = 0.01
