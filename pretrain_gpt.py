@@ -37,7 +37,8 @@ def parse_args(argv=None):
     c.add_argument("--save", default=None, metavar="DIR", help="write checkpoints here (and at the end)")
     c.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     c.add_argument("--load", default=None, metavar="DIR",
-                   help="resume from the latest complete checkpoint in DIR (none there: start fresh)")
+                   help="resume from the latest complete checkpoint in DIR; DIR must hold one, unless it "
+                        "is the --save folder (then nothing there yet starts fresh)")
     c.add_argument("--exit-interval", type=int, default=None,
                    help="stop after an iteration divisible by this (after saving)")
     d = p.add_argument_group("data (default: synthetic sequences; docs/DATA.md)")

@@ -167,6 +167,26 @@ def latest(root) -> Path | None:
     return done[-1] if done else None
 
 
+def check_load_path(load, save=None) -> None:
+    """SpecError unless ``--load`` names a folder with a checkpoint of ours, or is the
+    ``--save`` folder (the auto-resume idiom: nothing there yet starts fresh)."""
+    path = Path(load)
+    if save is not None and path.resolve() == Path(save).resolve():
+        if path.exists() and not path.is_dir():
+            raise SpecError(f"--load/--save {load} is a file, not a folder")
+        return
+    if not path.exists():
+        raise SpecError(f"--load {load} does not exist (to start fresh and resume later, give the same "
+                        f"folder to --save and --load)")
+    if not path.is_dir():
+        raise SpecError(f"--load {load} is a file, not a checkpoint folder")
+    if latest(path) is None:
+        names = sorted(p.name for p in path.iterdir())
+        found = (f"{len(names)} entries: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+                 if names else "nothing")
+        raise SpecError(f"--load {load} holds no checkpoint (no iter_*/common.json; it holds {found})")
+
+
 def check_loadable(root, model) -> dict | None:
     """Pure check before any process group: the common state of the latest checkpoint
     under ``root`` (None if there is none); SpecError if its model has another shape."""

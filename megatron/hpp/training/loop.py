@@ -207,8 +207,9 @@ def prepare(cfg: TrainConfig):
     if data is not None:
         check_data(data)   # a directory, a plain text file, missing/short files, token width
     if cfg.load is not None:
-        from megatron.hpp.training.checkpoint import check_loadable
+        from megatron.hpp.training.checkpoint import check_loadable, check_load_path
 
+        check_load_path(cfg.load, cfg.save)
         common = check_loadable(cfg.load, plan.model)   # another model shape: SpecError
         if common is not None and common["iteration"] >= cfg.train_iters:
             raise SpecError(f"--load {cfg.load} is at iteration {common['iteration']}, "
@@ -415,7 +416,7 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
         print(trainer.setup_line(), flush=True)
         if cfg.load is not None:
             print(f"resumed from {checkpoint.latest(cfg.load)} at iteration {start}" if start else
-                  f"no checkpoint in {cfg.load}: starting from iteration 0", flush=True)
+                  f"no checkpoint yet in {cfg.load} (the --save folder): starting from iteration 0", flush=True)
 
     def save(done: int) -> None:
         with during("checkpoint saving", timeout):
