@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from eth.errors import SpecError
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The checkout (or install prefix) the tools run from: search_hpp records a profile path
+relative to it, show_plan finds that path again in another clone."""
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv=None) -> int:

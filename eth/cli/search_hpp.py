@@ -12,9 +12,6 @@ from pathlib import Path
 
 from eth.planner.options import STRATEGIES
 
-CHECKOUT = Path(__file__).resolve().parents[2]
-"""The checkout (or install prefix) this module runs from."""
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     from eth.spec.model_source import add_model_args
@@ -67,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    from eth.cli.common import check_output_file
+    from eth.cli.common import CHECKOUT, check_output_file
     from eth.errors import SpecError
     from eth.spec.cluster import load_cluster
     from eth.spec.model_source import model_from_args

@@ -7,8 +7,10 @@
 
 The plan's stored predictions (fwd/bwd ms, memory GB) are printed as they are; when
 the plan has none they are filled in from the cost model (marked as such).  Profiles:
-``--profiles``, else the ones the plan was searched with (``search.profiles_path``) when
-that path still exists, else the checkout's ``profiles/``; when the kind of profile used
+``--profiles``, else the ones the plan was searched with (``search.profiles_path``, or
+the same file in this checkout: ``search.profiles_checkout_path``; one line and exit 2
+when neither exists), else, for a plan that records none, the checkout's ``profiles/``;
+when the kind of profile used
 for a device type differs from the one the plan records (``search.profiles``: measured,
 aceso-csv, analytic), one line says so and by how much the simulated iteration differs
 from the plan's prediction.  The
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eth.cli.common import run_main
+from eth.cli.common import CHECKOUT, run_main
 from eth.cost.model import CostModel
 from eth.errors import SpecError
 from eth.spec.plan import load_plan
@@ -29,7 +31,6 @@ from eth.report.tables import format_legend, format_plan_table, format_sim_summa
 from eth.report.simulate import SimOptions, simulate
 
 # the checkout's shipped profiles (absent in a wheel install: analytic ones are generated)
-CHECKOUT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILES = CHECKOUT / "profiles"
 
 

@@ -154,7 +154,7 @@ def check_shape(path: Path, raw: dict, model: ModelSpec, mbs: int, tp: int) -> t
         return min(abs(got - want), abs(got - want - bias)) <= CSV_ROUNDING
 
     size = 4 if fits("qkv", 4) else 2          # fp32 CSVs; fp16 / bf16 otherwise
-    for op, (fn, flags) in WEIGHT_CHECKS.items():
+    for op, (_, flags) in WEIGHT_CHECKS.items():
         got, want = raw[op]["weights"], elems[op] * size
         if not fits(op, size):
             raise ProfileError(
