@@ -83,7 +83,9 @@ def _main(argv=None) -> int:
     if args.profiles and added and args.profiles_fallback == "none":
         raise SpecError(f"--profiles {args.profiles} has no entry for model {model.name} (hidden {model.hidden}, "
                         f"heads {model.heads}, kv_heads {model.kv_heads}, ffn {model.ffn}, seq {model.seq_len}, "
-                        f"vocab {model.vocab}) on {', '.join(added)}: profile it with tools/profile_ops.py, "
+                        f"vocab {model.vocab}, {model.norm}, {model.position}, {model.attention} attention"
+                        f"{', swiglu' if model.swiglu else ''}{'' if model.bias else ', no bias'}) on "
+                        f"{', '.join(added)}: profile it with tools/profile_ops.py, "
                         f"or pass --profiles-fallback analytic")
     options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
                             skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
