@@ -8,7 +8,15 @@ also runs without torchrun (``python pretrain_gpt.py ...``).  Exit codes: 0 done
 1 stopped (NaN/Inf loss, a rank died or timed out), 2 bad input.
 """
 import argparse
-import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """argparse's error as one line, printed by rank 0 only under torchrun; exit 2."""
+        from megatron.hpp.training.failures import report_error
+
+        report_error(f"{message} (python {self.prog} --help lists the flags)")
+        self.exit(2)
 
 
 def parse_args(argv=None):
@@ -16,7 +24,7 @@ def parse_args(argv=None):
     from eth.spec.plan_flags import PARALLEL_FLAGS
     from megatron.hpp.data.datasets import DEFAULT_SPLIT
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hpp-plan", required=True, help="plan JSON (tools/search_hpp.py output)")
     p.add_argument("--train-iters", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -39,6 +47,9 @@ def parse_args(argv=None):
     c.add_argument("--load", default=None, metavar="DIR",
                    help="resume from the latest complete checkpoint in DIR; DIR must hold one, unless it "
                         "is the --save folder (then nothing there yet starts fresh)")
+    c.add_argument("--verify-checkpoint", action="store_true",
+                   help="compare every file of the checkpoint to load with its SHA-256 (one read of the "
+                        "checkpoint, shared by the ranks); by default sizes and the small files are checked")
     c.add_argument("--exit-interval", type=int, default=None,
                    help="stop after an iteration divisible by this (after saving)")
     d = p.add_argument_group("data (default: synthetic sequences; docs/DATA.md)")
@@ -46,7 +57,8 @@ def parse_args(argv=None):
                    help="megatron-core indexed datasets (.bin/.idx prefixes from tools/preprocess_data.py): "
                         "PREFIX [PREFIX ...] or W PREFIX W PREFIX ...; the shipped English corpus is "
                         "megatron/hpp/corpus/english")
-    d.add_argument("--split", default=DEFAULT_SPLIT, help="train,valid,test shares of each dataset's documents")
+    d.add_argument("--split", default=None,
+                   help=f"train,valid,test shares of each dataset's documents (default {DEFAULT_SPLIT})")
     d.add_argument("--data-cache-path", default=None,
                    help="index cache folder, shared by all nodes (default ~/.cache/hpp-eth/datasets)")
     d.add_argument("--eval-interval", type=int, default=None,
@@ -56,6 +68,9 @@ def parse_args(argv=None):
     f.add_argument("--max-nan-iters", type=int, default=3,
                    help="stop (exit 1) after this many consecutive iterations with a NaN/Inf loss or "
                         "gradient norm")
+    f.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (torchrun, Slurm, Kubernetes send it before killing), finish the "
+                        "iteration, save a checkpoint with --save and exit 0")
     f.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="timeout of collectives and p2p transfers: a dead or stuck rank ends every rank")
     g = p.add_argument_group("gradient path (default: what the plan was made for, plan.training)")
@@ -95,10 +110,17 @@ def plan_flags(args) -> dict:
 
 def main(argv=None) -> int:
     from eth.errors import SpecError
+    from megatron.hpp.data.datasets import DEFAULT_SPLIT
+    from megatron.hpp.training.failures import report_error
     from megatron.hpp.training.loop import TrainConfig, run
 
     args = parse_args(argv)
     try:
+        if args.data_path is None:
+            for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
+                if value is not None:
+                    raise SpecError(f"{flag} {value} without --data-path: synthetic data has no documents "
+                                    f"to split or index (give --data-path PREFIX, or drop {flag})")
         if args.lr_decay_style == "cosine" and args.min_lr is None:
             args.min_lr = 0.0
         if args.lr_decay_style == "constant" and args.min_lr is not None:
@@ -106,11 +128,12 @@ def main(argv=None) -> int:
         cfg = TrainConfig(plan=args.hpp_plan, train_iters=args.train_iters, lr=args.lr,
                           min_lr=args.min_lr, plan_flags=plan_flags(args), warmup=args.warmup, weight_decay=args.weight_decay,
                           clip_grad=args.clip_grad, seed=args.seed, log_interval=args.log_interval,
-                          data_path=args.data_path, split=args.split,
+                          data_path=args.data_path, split=args.split or DEFAULT_SPLIT,
                           data_cache_path=args.data_cache_path, save_params=args.save_params,
                           save=args.save, save_interval=args.save_interval, load=args.load,
+                          verify_checkpoint=args.verify_checkpoint,
                           exit_interval=args.exit_interval,
-                          max_nan_iters=args.max_nan_iters,
+                          max_nan_iters=args.max_nan_iters, exit_signal_handler=args.exit_signal_handler,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           tensorboard_dir=args.tensorboard_dir,
                           grad_sync=args.grad_sync, bucket_numel=args.ddp_bucket_size,
@@ -118,7 +141,7 @@ def main(argv=None) -> int:
                           grad_reduce=args.grad_reduce, initial_loss_scale=args.initial_loss_scale,
                           eval_interval=args.eval_interval, eval_iters=args.eval_iters)
     except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(str(exc))   # every rank finds it; rank 0 prints it
         return 2
     return run(cfg)
 

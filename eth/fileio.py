@@ -55,3 +55,20 @@ def atomic_write_text(path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def probe_folder(folder, what: str) -> None:
+    """SpecError (naming ``what``) unless files can be created in ``folder`` or, where it
+    does not exist yet, in its nearest existing ancestor: a probe folder is created there
+    and removed (``os.access`` says yes to root everywhere, /proc included).  Several
+    processes may probe the same folder at once."""
+    existing = Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpecError(f"{what} cannot be written: {existing} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".probe-"))
+    except OSError as exc:
+        raise SpecError(f"{what} cannot be written: cannot create anything in {existing} "
+                        f"({exc.strerror or exc})") from None

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from eth.errors import SpecError
+from eth.fileio import probe_folder
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 """The checkout (or install prefix) the tools run from: search_hpp records a profile path
@@ -34,15 +35,16 @@ def int_list(text: str) -> list[int]:
 
 def check_output_file(path, flag: str = "-o") -> None:
     """Fail early (SpecError) when ``path`` cannot become a file: it is a directory, or
-    its nearest existing parent is not a writable directory.  Called before long work."""
-    import os
-    from pathlib import Path
-
+    its folder cannot be created or written (``fileio.probe_folder``).  Called before long work."""
     path = Path(path)
     if path.is_dir():
         raise SpecError(f"{flag} {path} is a directory; give a file name (e.g. {path / 'plan.json'})")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise SpecError(f"{flag} {path} cannot be written ({parent} is not a writable directory)")
+    probe_folder(path.parent, f"{flag} {path}")
+
+
+def check_output_dir(path, flag: str) -> None:
+    """Fail early (SpecError) when ``path`` cannot be (or become) a writable folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise SpecError(f"{flag} {path} is a file, not a folder")
+    probe_folder(path, f"{flag} {path}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eth.cli.common import CHECKOUT, run_main
+from eth.cli.common import CHECKOUT, check_output_file, run_main
 from eth.cost.model import CostModel
 from eth.errors import SpecError
 from eth.spec.plan import load_plan
@@ -54,6 +54,10 @@ def _main(argv=None) -> int:
         raise SpecError("give a plan JSON file (or --legend)")
     if args.optimizer_passes < 0:
         raise SpecError(f"--optimizer-passes must be >= 0, got {args.optimizer_passes}")
+    if args.png:
+        if Path(args.png).suffix.lower() != ".png":
+            raise SpecError(f"--png {args.png}: the chart is a PNG image; give a file name ending in .png")
+        check_output_file(args.png, "--png")
 
     plan = load_plan(args.plan)
     recorded_path = recorded_profiles(plan)

@@ -217,6 +217,12 @@ def load_cluster(path) -> Cluster:
     """Read and validate a cluster YAML file."""
     path = Path(path)
     data = read_yaml(path, "cluster")
+    for name, entry in ((data or {}).get("device_types") or {}).items() if isinstance(data, dict) else ():
+        if isinstance(entry, dict) and "emulate_speed" in entry and entry["emulate_speed"] == 0:
+            # 0 is the field's "not emulated" default: written out, it is a typo or a misunderstanding,
+            # and a CPU type would then be planned and trained as a device of its own, not emulated
+            raise SpecError(f"cluster {path.name}: device_types.{name}.emulate_speed is 0; an emulated type "
+                            f"runs at a fraction of one core, e.g. 0.25 (leave the field out to not emulate)")
     cluster = Cluster.from_dict(data, where=f"cluster {path.name}")
     if cluster.name == "cluster":
         cluster.name = path.stem

@@ -24,7 +24,7 @@ from eth.errors import SpecError
 from eth.layout.params import ShardSpec
 from eth.spec.plan import PipelinePlan
 from eth.spec.precision import TrainSetup
-from megatron.hpp.training.checkpoint import _piece_boxes, check_loadable
+from megatron.hpp.training.checkpoint import _piece_boxes, check_loadable, file_entries, write_manifest
 
 SCHEDULE = ["--lr", "2e-3", "--min-lr", "1e-4", "--warmup", "2", "--clip-grad", "0.5"]
 
@@ -52,11 +52,17 @@ def test_boxes_cover_a_flat_range_exactly(shape, dim, chunks):
             assert (full[tuple(where)] == expect.reshape(piece.shape)).all() and full.sum() == hi - lo == seen
 
 
+def _write_common(folder, common) -> None:
+    """common.json alone, sealed by a manifest as a save seals it."""
+    (folder / "common.json").write_text(json.dumps(common))
+    write_manifest(folder, file_entries(folder, ["common.json"]))
+
+
 def test_checkpoint_of_another_shape_is_refused(tmp_path):
     (tmp_path / "iter_0000004").mkdir()
     model = plans.tp_1_2_4_same_layers().model
     common = {"iteration": 4, "model": dict(model.to_dict(), hidden=32)}
-    (tmp_path / "iter_0000004" / "common.json").write_text(json.dumps(common))
+    _write_common(tmp_path / "iter_0000004", common)
     (tmp_path / "latest").write_text("iter_0000004\n")
     with pytest.raises(SpecError, match="another model shape .* hidden 32 != 64"):
         check_loadable(tmp_path, model)
@@ -70,7 +76,7 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
     # rope / no-bias model), or another rope base: refused; a checkpoint written before
     # these fields existed reads as the GPT defaults
     common["model"] = {k: v for k, v in model.to_dict(compact=True).items()}
-    (tmp_path / "iter_0000004" / "common.json").write_text(json.dumps(common))
+    _write_common(tmp_path / "iter_0000004", common)
     assert check_loadable(tmp_path, model)["iteration"] == 4
     llama = replace(model, norm="rmsnorm", position="rope", bias=False)
     with pytest.raises(SpecError, match="norm layernorm != rmsnorm, position learned != rope, bias True != False"):

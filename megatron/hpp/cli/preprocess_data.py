@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from eth.cli.common import run_main
+from eth.cli.common import check_output_file, run_main
 from eth.errors import SpecError
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -132,6 +132,7 @@ def _main(argv=None) -> int:
     prefix = Path(args.output_prefix)
     if prefix.is_dir():
         raise SpecError(f"--output-prefix {prefix} is a directory; give a prefix such as {prefix / 'corpus'}")
+    check_output_file(prefix.with_name(prefix.name + ".bin"), "--output-prefix")
     inputs = [Path(p) for p in args.input]
     for path in inputs:
         if path.is_dir():

@@ -11,7 +11,11 @@ process group), so bad input ends every rank with one line before anything start
 
 Sample order (the :class:`GPTSource` contract the trainer relies on):
 
-    sample i of global batch t  =  dataset[t * gbs + i]        0 <= i < gbs
+    sample i of global batch t  =  dataset[offset + t * gbs + i]        0 <= i < gbs
+
+``offset`` is 0, except in a run resumed under another global batch: the checkpoint's
+consumed samples minus its iteration x the new gbs, so that the run goes on with the
+first sample not yet trained on, as Megatron's consumed-samples counter does.
 
 megatron-core shuffles documents and samples with ``seed``, so the order is a function
 of (data files, split, seq_len, seed, number of samples built) only: not of the plan,
@@ -254,8 +258,11 @@ class GPTSource:
     """``sample(iteration, index)``: int64 [seq_len + 1] tokens of sample ``index`` of
     global batch ``iteration`` (see the module docstring)."""
 
-    def __init__(self, dataset, gbs: int, seq_len: int, vocab: int, name: str):
+    def __init__(self, dataset, gbs: int, seq_len: int, vocab: int, name: str, offset: int = 0):
         self.dataset, self.gbs, self.seq_len, self.vocab, self.name = dataset, gbs, seq_len, vocab, name
+        self.offset = offset
+        """Samples before global batch 0 (a run resumed under another global batch:
+        the checkpoint's consumed samples - its iteration x this gbs)."""
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -266,7 +273,7 @@ class GPTSource:
         if not 0 <= index < self.gbs or iteration < 0:
             raise IndexError(f"sample {index} of global batch {iteration}: need 0 <= index < gbs "
                              f"{self.gbs} and iteration >= 0")
-        pos = iteration * self.gbs + index
+        pos = self.offset + iteration * self.gbs + index
         if pos >= len(self.dataset):
             raise SpecError(f"{self.name} data: global batch {iteration} needs sample {pos}, the "
                             f"dataset was built for {len(self.dataset)} samples")
@@ -420,9 +427,12 @@ def _shared_cache_plan(root: Path, key: str, rank: int) -> tuple[str, bool]:
 
 
 def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int = 0,
-                  progress: bool = True) -> DataSources:
+                  progress: bool = True, train_samples: int | None = None, offset: int = 0) -> DataSources:
     """The train (and valid) :class:`GPTSource` for ``train_iters`` global batches of
-    ``gbs`` samples.  Collective when a process group exists (every rank calls it)."""
+    ``gbs`` samples (an index of ``train_samples`` samples when given, e.g. to keep the
+    order a checkpoint's run had; global batch t starting at sample ``offset + t * gbs``:
+    a run resumed under another global batch).  Collective when a process group exists
+    (every rank calls it)."""
     import shutil
 
     import torch.distributed as dist
@@ -436,7 +446,10 @@ def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int 
         raise SpecError(f"gbs {gbs}, train iterations {train_iters} and valid iterations {valid_iters}: "
                         f"need gbs > 0, train > 0, valid >= 0")
     check_data(cfg)
-    sizes = [train_iters * gbs, valid_iters * gbs, 0]
+    if offset < 0 or (train_samples is not None and train_samples < offset + train_iters * gbs):
+        raise SpecError(f"{train_samples} training samples from offset {offset}: {train_iters} iterations x "
+                        f"gbs {gbs} do not fit")
+    sizes = [offset + train_iters * gbs if train_samples is None else train_samples, valid_iters * gbs, 0]
     root = Path(cfg.cache_root)
     key, total = cache_key(cfg, sizes), _num_indices(cfg)
     if dist.is_initialized():
@@ -473,6 +486,6 @@ def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int 
         raise SpecError(f"--data-path {' '.join(map(str, cfg.data_path))} yields {len(train)} training "
                         f"samples of {cfg.seq_len + 1} tokens, {train_iters} iterations x gbs {gbs} need "
                         f"{sizes[0]}; give weights (W PREFIX ...) to repeat the data, or more data")
-    return DataSources(GPTSource(train, gbs, cfg.seq_len, cfg.vocab, "train"),
+    return DataSources(GPTSource(train, gbs, cfg.seq_len, cfg.vocab, "train", offset),
                        GPTSource(valid, gbs, cfg.seq_len, cfg.vocab, "valid")
                        if valid_iters and valid is not None else None)

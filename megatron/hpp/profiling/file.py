@@ -15,7 +15,6 @@ refuses an unwritable output before anything is measured.
 from __future__ import annotations
 
 import datetime as _dt
-import os
 
 import torch
 
@@ -143,12 +142,7 @@ def summary_table(cfg: ProfileConfig, entries: list[dict]) -> str:
 
 
 def check_output_path(path) -> None:
-    """Fail early (SpecError) when ``path`` cannot be written."""
-    from pathlib import Path
-
+    """Fail early (SpecError) when ``path`` cannot be written (before any measuring)."""
     from eth.cli.common import check_output_file
 
-    path = Path(path)
-    check_output_file(path, "output")
-    if path.exists() and not os.access(path.parent, os.W_OK):
-        raise SpecError(f"output {path} cannot be replaced ({path.parent} is not writable)")
+    check_output_file(path, "-o")

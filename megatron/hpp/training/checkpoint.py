@@ -22,17 +22,28 @@ now steps; DCP reads them from whichever saved boxes overlap them (resharding). 
 save and load planners (:class:`_BoxSavePlanner`, :class:`_BoxLoadPlanner`) are
 DCP's default planners with the state dict replaced by these boxes.
 
-Atomicity: DCP writes into ``<dir>/iter_NNNNNNN.tmp``; after every rank is done, rank 0
-renames it to ``iter_NNNNNNN`` and then replaces ``<dir>/latest`` (temp file +
-rename).  A save killed half-way leaves a ``.tmp`` folder that is never read, and
-``latest`` still names the previous complete checkpoint.
+Atomicity: DCP writes into ``<dir>/iter_NNNNNNN.tmp``; after every rank is done, the
+ranks checksum the folder's files (each a share), rank 0 writes ``manifest.json`` (every
+file's size and SHA-256) last, renames the folder to ``iter_NNNNNNN`` and then replaces
+``<dir>/latest`` (temp file + rename).  A save killed half-way leaves a ``.tmp`` folder
+that is never read, and ``latest`` still names the previous complete checkpoint.
+
+Integrity (:func:`find`): ``--load`` takes the checkpoint ``latest`` names, or, when it is
+damaged, the newest older intact one, and says which it passed over and why.  Intact
+means: a manifest, every file it lists present with its size, ``common.json`` and DCP's
+``.metadata`` matching their checksums (small; always read).  The shards' checksums are
+compared only with ``--verify-checkpoint`` (:func:`verify`: every rank hashes a share of
+the files, so it costs one read of the checkpoint spread over the ranks); without it a
+change that keeps a shard's size goes unnoticed.  Folders numbered above the one
+``latest`` names are older runs' leftovers and are not considered.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -149,57 +160,176 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         return self.boxes[(index.fqn, tuple(index.offset))][0]
 
 
+MANIFEST = "manifest.json"
+ALWAYS_HASHED = ("common.json", ".metadata")
+"""Small files whose checksums every load compares; the shards' only with ``verify``."""
+
+
 def _iter_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
-def latest(root) -> Path | None:
-    """The last complete checkpoint under ``root`` (None if there is none): the one
-    ``latest`` names, or, if that file is missing or names a folder that is gone (a save
-    of the same iteration killed between replacing the folder and the marker), the
-    highest-numbered complete ``iter_*`` folder."""
-    root, marker = Path(root), Path(root) / "latest"
+def _iteration_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith("iter_") or path.suffix == ".tmp" or not path.is_dir():
+        return None
+    try:
+        return int(name[len("iter_"):])
+    except ValueError:
+        return None
+
+
+def file_entries(folder, names) -> dict:
+    """{name: [size in bytes, SHA-256 hex]} of files ``names`` in ``folder``."""
+    out = {}
+    for name in names:
+        path = Path(folder) / name
+        with open(path, "rb") as fh:
+            out[name] = [path.stat().st_size, hashlib.file_digest(fh, "sha256").hexdigest()]
+    return out
+
+
+def write_manifest(folder, entries: dict) -> None:
+    """The manifest of ``folder``: ``entries`` (:func:`file_entries`) of all its other files."""
+    atomic_write_text(Path(folder) / MANIFEST, json.dumps({"version": 1, "files": entries}, indent=1,
+                                                          sort_keys=True))
+
+
+def damage(path, verify: bool = False, names=None) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be loaded (None: intact).  Sizes of every
+    file and checksums of ``ALWAYS_HASHED``; with ``verify`` the checksums of every file
+    (of ``names`` only, if given: one rank's share)."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (a save that did not finish, or one written without checksums)"
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is not a manifest (not JSON or no files list)"
+    for name, (size, digest) in sorted(files.items()):
+        if names is not None and name not in names:
+            continue
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size} (cut short or overwritten)"
+        if (verify or name in ALWAYS_HASHED) and file_entries(path, [name])[name][1] != digest:
+            return f"{name} does not match its checksum (its bytes were changed)"
+    return None
+
+
+@dataclass
+class Found:
+    """What :func:`find` found under a ``--load`` folder."""
+
+    path: Path | None
+    """The checkpoint to load (None: no intact one)."""
+    damaged: list
+    """(path, reason) of every newer checkpoint passed over, newest first."""
+    candidates: list
+    """Intact checkpoints (sizes and small checksums), newest first: where
+    ``--verify-checkpoint`` falls back to."""
+
+    def lines(self) -> list[str]:
+        return [f"checkpoint {p} is damaged ({why}): passed over" for p, why in self.damaged]
+
+
+def find(root) -> Found:
+    """The newest intact checkpoint under ``root`` (see the module docstring)."""
+    root = Path(root)
+    folders = sorted(((n, p) for p in (root.glob("iter_*") if root.is_dir() else ())
+                      if (n := _iteration_of(p)) is not None), reverse=True)
+    marker = root / "latest"
     if marker.is_file():
-        path = root / marker.read_text().strip()
-        if (path / "common.json").is_file():
-            return path
-    done = sorted(p for p in root.glob("iter_*") if p.suffix != ".tmp" and (p / "common.json").is_file())
-    return done[-1] if done else None
+        named = _iteration_of(root / marker.read_text().strip())
+        if named is not None:
+            folders = [(n, p) for n, p in folders if n <= named]
+    damaged, candidates = [], []
+    for _, path in folders:
+        why = damage(path)
+        if why is None:
+            candidates.append(path)
+        elif not candidates:
+            damaged.append((path, why))
+    return Found(candidates[0] if candidates else None, damaged, candidates)
+
+
+def latest(root) -> Path | None:
+    """The newest intact checkpoint under ``root`` (None if there is none)."""
+    return find(root).path
 
 
 def check_load_path(load, save=None) -> None:
-    """SpecError unless ``--load`` names a folder with a checkpoint of ours, or is the
-    ``--save`` folder (the auto-resume idiom: nothing there yet starts fresh)."""
+    """SpecError unless ``--load`` names a folder with an intact checkpoint of ours, or is
+    the ``--save`` folder (the auto-resume idiom: nothing there yet starts fresh)."""
     path = Path(load)
     if save is not None and path.resolve() == Path(save).resolve():
         if path.exists() and not path.is_dir():
             raise SpecError(f"--load/--save {load} is a file, not a folder")
+        found = find(path)
+        if found.path is None and found.damaged:
+            raise SpecError(_none_intact(load, found))
         return
     if not path.exists():
         raise SpecError(f"--load {load} does not exist (to start fresh and resume later, give the same "
                         f"folder to --save and --load)")
     if not path.is_dir():
         raise SpecError(f"--load {load} is a file, not a checkpoint folder")
-    if latest(path) is None:
+    found = find(path)
+    if found.path is None and found.damaged:
+        raise SpecError(_none_intact(load, found))
+    if found.path is None:
         names = sorted(p.name for p in path.iterdir())
-        found = (f"{len(names)} entries: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
-                 if names else "nothing")
-        raise SpecError(f"--load {load} holds no checkpoint (no iter_*/common.json; it holds {found})")
+        listed = (f"{len(names)} entries: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+                  if names else "nothing")
+        raise SpecError(f"--load {load} holds no checkpoint (no iter_*/{MANIFEST}; it holds {listed})")
+
+
+def _none_intact(load, found: Found) -> str:
+    (newest, why), more = found.damaged[0], len(found.damaged) - 1
+    return (f"--load {load}: no intact checkpoint: {newest.name} is damaged ({why})"
+            + (f", and {more} older one(s) too" if more else "") + "; the folder is left as it is")
 
 
 def check_loadable(root, model) -> dict | None:
-    """Pure check before any process group: the common state of the latest checkpoint
-    under ``root`` (None if there is none); SpecError if its model has another shape."""
+    """Pure check before any process group: the common state of the newest intact
+    checkpoint under ``root`` (None if there is none); SpecError if its model has
+    another shape."""
     path = latest(root)
     if path is None:
         return None
-    common = json.loads((path / "common.json").read_text())
+    return check_common(path, model)
+
+
+def check_common(path, model) -> dict:
+    """``path``'s common state; SpecError if its model differs from ``model`` (SHAPE_FIELDS)."""
+    common = json.loads((Path(path) / "common.json").read_text())
     saved = {f.name: f.default for f in fields(model) if f.name in SHAPE_FIELDS} | common["model"]
     diff = [f"{k} {saved.get(k)} != {getattr(model, k)}" for k in SHAPE_FIELDS if saved.get(k) != getattr(model, k)]
     if diff:
         raise SpecError(f"checkpoint {path} is of another model shape than plan.model {model.name} "
                         f"(checkpoint: {common['model'].get('name')}): " + ", ".join(diff))
     return common
+
+
+def verify(found: Found) -> Found:
+    """Collective (every rank calls): the newest of ``found.candidates`` whose every file
+    matches its checksum, each rank hashing every world-size-th file; the ones passed
+    over join ``found.damaged``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    damaged = list(found.damaged)
+    for i, path in enumerate(found.candidates):
+        files = sorted(json.loads((path / MANIFEST).read_text())["files"])
+        why = damage(path, verify=True, names=set(files[rank::world]))
+        reasons = [None] * world
+        dist.all_gather_object(reasons, why)
+        why = next((r for r in reasons if r is not None), None)
+        if why is None:
+            return Found(path, damaged, found.candidates[i:])
+        damaged.append((path, why))
+    return Found(None, damaged, [])
 
 
 def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
@@ -224,6 +354,7 @@ def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
         step = int(step)
         scaler = trainer.scaler
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "adam_step": step,
+                  "data": {"train_samples_built": getattr(trainer, "train_samples_built", None)},
                   "model": trainer.plan.model.to_dict(), "training": trainer.setup.to_dict(),
                   "plan_hash": trainer.plan.content_hash(), "world_size": trainer.plan.world_size,
                   "loss_scaler": None if scaler is None else
@@ -231,7 +362,12 @@ def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
                    "hysteresis_tracker": scaler._hysteresis_tracker}}
         (tmp / "common.json").write_text(json.dumps(common, indent=1))
     dist.barrier()
+    _fault("after-shards", rank, iteration)
+    names = sorted(p.name for p in tmp.iterdir())
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, file_entries(tmp, names[rank::len(shares)]))
     if rank == 0:
+        write_manifest(tmp, {k: v for share in shares for k, v in share.items()})   # last: the seal
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -240,13 +376,21 @@ def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
     return final
 
 
-def load(root, trainer) -> dict:
-    """Load the latest checkpoint under ``root`` into ``trainer`` (all ranks call); returns
-    its common state."""
-    path = latest(root)
-    if path is None:
-        raise SpecError(f"--load {root}: no complete checkpoint (no 'latest' file naming one)")
-    common = json.loads((path / "common.json").read_text())
+def _fault(point: str, rank: int, iteration: int) -> None:
+    """Test hook (docs/TESTING.md): ``HPP_CHECKPOINT_FAULT=point:rank:iteration`` kills this
+    rank with SIGKILL at ``point`` of the save of ``iteration``, as a crash would."""
+    spec = os.environ.get("HPP_CHECKPOINT_FAULT")
+    if spec and spec == f"{point}:{rank}:{iteration}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def load(path, trainer) -> dict:
+    """Load the checkpoint folder ``path`` (:func:`find`) into ``trainer`` (all ranks call);
+    returns its common state."""
+    path = Path(path)
+    common = check_common(path, trainer.plan.model)
     reducer, optimizer = trainer.reducer, trainer.optimizer
     starts, flats = _state_tensors(optimizer, copy_moments=False)
     ranges = [(lo, lo + main.numel()) for lo, main in optimizer.mains]   # what this rank steps
@@ -268,6 +412,21 @@ def load(root, trainer) -> dict:
     if common["plan_hash"] == trainer.plan.content_hash() and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
     return common
+
+
+def setup_changes(common: dict, trainer) -> list[str]:
+    """Lines on how the resuming run's training setup differs from the checkpoint's
+    (precision, ZeRO stage, gradient dtype, global batch): allowed, and said."""
+    saved, now = common.get("training") or {}, trainer.setup.to_dict()
+    lines = [f"note: the checkpoint was trained with {key} {saved[key]}, this run uses {now[key]}"
+             + (" (the fp32 main weights and moments carry over; the compute weights are cast)"
+                if key == "precision" else "")
+             for key in ("precision", "zero_stage", "grad_reduce") if key in saved and saved[key] != now[key]]
+    iteration, consumed, gbs = common["iteration"], common["consumed_samples"], trainer.plan.gbs
+    if consumed != iteration * gbs:
+        lines.append(f"note: the checkpoint's run consumed {consumed} samples in {iteration} iterations, this plan's "
+                     f"global batch is {gbs}: training goes on from sample {consumed}")
+    return lines
 
 
 def _adam_step(optimizer) -> int:

@@ -18,6 +18,11 @@ iteration never updates the weights (the trainer skips the optimizer step).  Eve
 sees the same global loss and norm, so every rank's :class:`NanGuard` stops at the same
 iteration, without a collective; rank 0 prints the message.
 
+*Signals.*  With ``--exit-signal-handler`` (Megatron's flag) :class:`ExitSignal` catches
+SIGTERM (what torchrun, Slurm and Kubernetes send before killing, torchrun 30 s before);
+at the end of the iteration in progress every rank learns of it through one small
+all-reduce, the run saves a checkpoint (with ``--save``) and ends with exit code 0.
+
 *Communication.*  ``--distributed-timeout-minutes`` (Megatron's name, default 10, a float)
 is the process group's timeout: a collective or p2p receive waiting longer raises.  A
 killed rank is usually noticed at once (its sockets close).  :func:`during` turns such
@@ -29,11 +34,37 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
+import sys
 
 # Text of errors raised by gloo / NCCL / the store when a peer is gone or late.
 _COMM_MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection reset", "connection closed",
                  "connection refused", "broken pipe", "socket", "processgroup", "store")
+
+
+SILENT_RANK_WAIT_S = 3.0
+"""How long a rank that does not print a bad-input error lets rank 0 print it first."""
+
+
+def report_error(line: str, every_rank: bool = False) -> None:
+    """``error: <line>`` on stderr, from rank 0 only (``RANK``; unset: a single process)
+    unless ``every_rank``: bad input is found alike on every rank, and under torchrun
+    one copy of the line is what the user needs to see above torchrun's own report.
+
+    torchrun ends every rank (SIGTERM) as soon as one exits non-zero, so a silent rank
+    that finished first would cut rank 0 off before it prints: a silent rank under a
+    launcher waits up to ``SILENT_RANK_WAIT_S`` seconds and takes the launcher's SIGTERM
+    as the end of that wait, exiting 2 as rank 0 does."""
+    rank = os.environ.get("RANK", "0")
+    if every_rank or not rank.isdigit() or int(rank) == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
+        time.sleep(SILENT_RANK_WAIT_S)
 
 
 class TrainingStopped(RuntimeError):
@@ -78,6 +109,35 @@ def during(phase: str, timeout_minutes: float):
         raise CommFailure(f"communication failed during {phase}: {short_reason(exc)} -- another rank "
                           f"died or is stuck (--distributed-timeout-minutes {timeout_minutes:g}); "
                           f"every rank stops") from exc
+
+
+class ExitSignal:
+    """Records SIGTERM instead of dying of it (``--exit-signal-handler``)."""
+
+    def __init__(self, signum: int | None = None):
+        import signal
+
+        self.signum = signal.SIGTERM if signum is None else signum
+        self.received = False
+        self.previous = signal.signal(self.signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def any_rank(self, device) -> bool:
+        """Whether any rank has received the signal (a collective: every rank calls it)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @property
+    def name(self) -> str:
+        import signal
+
+        return signal.Signals(self.signum).name
 
 
 def step_nonfinite(loss: float, grads_finite: bool, loss_scale: float | None,

@@ -103,6 +103,11 @@ class TrainConfig:
     None: no evaluation."""
     eval_iters: int = 10
     """Validation global batches per evaluation."""
+    verify_checkpoint: bool = False
+    """Compare every file of the checkpoint to load with its checksum (``checkpoint.verify``),
+    not only the sizes and the small files."""
+    exit_signal_handler: bool = False
+    """On SIGTERM, finish the iteration, save (with ``save``) and exit 0 (``failures.ExitSignal``)."""
 
     def __post_init__(self):
         if self.train_iters <= 0:
@@ -142,6 +147,8 @@ class TrainConfig:
                 raise SpecError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.eval_iters <= 0 and self.eval_interval is not None:
             raise SpecError(f"--eval-iters must be positive with --eval-interval, got {self.eval_iters}")
+        if self.verify_checkpoint and self.load is None:
+            raise SpecError("--verify-checkpoint checks the checkpoint --load reads: give --load DIR")
         if self.save_interval is not None and self.save is None:
             raise SpecError(f"--save-interval {self.save_interval} needs --save DIR")
 
@@ -211,12 +218,22 @@ def prepare(cfg: TrainConfig):
 
         check_load_path(cfg.load, cfg.save)
         common = check_loadable(cfg.load, plan.model)   # another model shape: SpecError
-        if common is not None and common["iteration"] >= cfg.train_iters:
-            raise SpecError(f"--load {cfg.load} is at iteration {common['iteration']}, "
-                            f"--train-iters is {cfg.train_iters}: nothing to train")
-    if cfg.save is not None and os.path.exists(cfg.save) and not os.path.isdir(cfg.save):
-        raise SpecError(f"--save {cfg.save} is a file, not a folder")
+        if common is not None and not cfg.verify_checkpoint:   # (verified: train() checks)
+            check_iterations_left(cfg, common["iteration"])
+    from eth.cli.common import check_output_dir, check_output_file
+
+    for flag, folder in (("--save", cfg.save), ("--tensorboard-dir", cfg.tensorboard_dir)):
+        if folder is not None:
+            check_output_dir(folder, flag)   # before any work, not at the first save
+    if cfg.save_params is not None:
+        check_output_file(cfg.save_params, "--save-params")
     return plan, layout, rank
+
+
+def check_iterations_left(cfg: TrainConfig, iteration: int) -> None:
+    if iteration >= cfg.train_iters:
+        raise SpecError(f"--load {cfg.load} is at iteration {iteration}, --train-iters is {cfg.train_iters}: "
+                        f"nothing to train")
 
 
 def init_default_group(backend_name: str, rank: int, world: int, timeout_minutes: float) -> None:
@@ -267,7 +284,6 @@ class Trainer:
         import torch.distributed as dist
 
         from eth.layout.blocks import GradLayout
-        from megatron.hpp.data.batches import SyntheticData
         from megatron.hpp.training.metrics import peak_memory_bytes
         from megatron.hpp.distributed.grad_sync import GradReducer
         from megatron.hpp.models.gpt import GPTStage
@@ -297,26 +313,46 @@ class Trainer:
         self.optimizer = ShardedAdamW(self.model, topo, self.reducer, setup, cfg.lr, cfg.weight_decay,
                                       cfg.seed)
         self.scaler = make_grad_scaler(setup.precision, cfg.initial_loss_scale)
-        from megatron.hpp.training.evaluation import valid_batches_needed
-
-        data = cfg.data_config(self.plan)
-        valid_iters = valid_batches_needed(cfg.train_iters, cfg.eval_interval, cfg.eval_iters)
-        if data is not None:   # collective: rank 0 builds the index cache, the others wait
-            from megatron.hpp.data.datasets import build_sources
-
-            sources = build_sources(data, self.plan.gbs, cfg.train_iters, valid_iters, progress=rank == 0)
-            self.source, self.valid_source = sources.train, sources.valid
-            if valid_iters and self.valid_source is None:
-                raise SpecError(f"--eval-interval {cfg.eval_interval}: --split {cfg.split} leaves no "
-                                f"validation documents (give the second share a weight, e.g. 98,2,0)")
-        else:   # synthetic: validation sequences from another seed
-            self.source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed)
-            self.valid_source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed + 1)
+        self.source = self.valid_source = None   # attach_data, once the start is known
         self.peak_memory = lambda: peak_memory_bytes(backend.device)
         self.comm = StageComm(topo, (spec.seq_len, spec.hidden), dtype, backend.device)
         self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
         self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
         dist.barrier()  # start the first step together, so its logged time means something
+
+    def attach_data(self, start: int = 0, consumed: int = 0, built: int | None = None) -> str | None:
+        """The data sources of a run that starts after ``start`` iterations that consumed
+        ``consumed`` training samples (a resumed run: the checkpoint's count, whatever
+        global batch it had).  ``built``: the training samples the index was built for
+        (a checkpoint's record): the index is built for at least as many, so that it
+        orders the samples as before.  Collective with --data-path (rank 0 builds the
+        index cache, the others wait).  Returns a note for rank 0 to print, or None."""
+        from megatron.hpp.data.batches import SyntheticData
+        from megatron.hpp.training.evaluation import valid_batches_needed
+
+        cfg, spec, gbs = self.cfg, self.plan.model, self.plan.gbs
+        data = cfg.data_config(self.plan)
+        if data is None:   # synthetic: validation sequences from another seed
+            self.source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed)
+            self.valid_source = SyntheticData(spec.vocab, spec.seq_len, cfg.seed + 1)
+            return None
+        from megatron.hpp.data.datasets import build_sources
+
+        offset = consumed - start * gbs   # 0 unless the global batch changed on resume
+        needed = offset + cfg.train_iters * gbs
+        valid_iters = valid_batches_needed(cfg.train_iters, cfg.eval_interval, cfg.eval_iters)
+        sources = build_sources(data, gbs, cfg.train_iters, valid_iters, progress=self.topo.rank == 0,
+                                train_samples=max(needed, built or 0), offset=offset)
+        self.source, self.valid_source = sources.train, sources.valid
+        self.train_samples_built = max(needed, built or 0)
+        if valid_iters and self.valid_source is None:
+            raise SpecError(f"--eval-interval {cfg.eval_interval}: --split {cfg.split} leaves no "
+                            f"validation documents (give the second share a weight, e.g. 98,2,0)")
+        if built is not None and needed > built:
+            return (f"note: this run needs {needed} training samples, the checkpoint's run built its index for "
+                    f"{built}: the larger index shuffles differently, so the samples from sample {consumed} on "
+                    f"are not the ones an uninterrupted run would have read")
+        return None
 
     def batch(self, source, iteration: int, mb: int):
         """(inputs, labels) of this rank's dp slice of micro-batch ``mb`` of global batch
@@ -338,6 +374,8 @@ class Trainer:
         from megatron.hpp.parallel.schedule import ComputeClock, one_f_one_b
 
         backend, topo, num_pipes = self.backend, self.topo, len(self.plan.pipelines)
+        if self.source is None:
+            self.attach_data()   # a run from scratch (benches, tests); train() attaches after loading
         t0 = time.perf_counter()
         self.optimizer.set_lr(self.cfg.lr_at(iteration))
         self.reducer.start_step()
@@ -383,7 +421,7 @@ class Trainer:
         return (f"{' '.join(self.cfg.data_path)} (split {self.cfg.split}, {len(self.source)} training "
                 f"samples of {self.plan.model.seq_len + 1} tokens)")
 
-    def metrics_logger(self, rank: int):
+    def metrics_logger(self, rank: int, sample_offset: int = 0):
         """The run's :class:`~megatron.hpp.training.metrics.MetricsLogger` (prints on rank 0 only)."""
         from megatron.hpp.training.metrics import MetricsLogger, tensorboard_writer
 
@@ -392,7 +430,7 @@ class Trainer:
                                                                                  flush=True)) if enabled else None
         return MetricsLogger(self.plan, cfg.train_iters, cfg.log_interval, cfg.lr_at, enabled=enabled,
                              emulated=self.emulated, loss_scale=self.scaler is not None,
-                             memory_kind=self.peak_memory()[1], writer=writer)
+                             memory_kind=self.peak_memory()[1], writer=writer, sample_offset=sample_offset)
 
 
 def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
@@ -401,26 +439,48 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
     is stuck)."""
     from megatron.hpp.training import checkpoint
     from megatron.hpp.training.evaluation import eval_due, eval_line, evaluate
-    from megatron.hpp.training.failures import NanGuard, TrainingStopped, during
+    from megatron.hpp.training.failures import ExitSignal, NanGuard, TrainingStopped, during
     from megatron.hpp.distributed.grad_sync import gather_parameters
 
     timeout = cfg.distributed_timeout_minutes
+    signals = ExitSignal() if cfg.exit_signal_handler else None   # before the slow start-up
     with during("start-up", timeout):
         trainer = Trainer(cfg, layout, rank)
-    start = saved = 0
-    if cfg.load is not None and checkpoint.latest(cfg.load) is not None:
-        with during("checkpoint loading", timeout):
-            start = saved = checkpoint.load(cfg.load, trainer)["iteration"]
-    logger, guard, losses, valid = trainer.metrics_logger(rank), NanGuard(cfg.max_nan_iters), [], {}
+    start = consumed = 0
+    built, notes = None, []
+    if cfg.load is not None:
+        found = checkpoint.find(cfg.load)
+        if cfg.verify_checkpoint and found.path is not None:
+            with during("checkpoint verification", timeout):
+                found = checkpoint.verify(found)
+            if found.path is None:
+                raise SpecError(f"--load {cfg.load} --verify-checkpoint: no intact checkpoint: "
+                                + "; ".join(f"{p.name}: {why}" for p, why in found.damaged))
+        notes += found.lines()
+        if found.path is not None:
+            check_iterations_left(cfg, checkpoint.check_common(found.path, trainer.plan.model)["iteration"])
+            with during("checkpoint loading", timeout):
+                common = checkpoint.load(found.path, trainer)
+            start, consumed = common["iteration"], common["consumed_samples"]
+            built = (common.get("data") or {}).get("train_samples_built")
+            notes.append(f"resumed from {found.path} at iteration {start} ({consumed} samples consumed)")
+            notes += checkpoint.setup_changes(common, trainer)
+        else:
+            notes.append(f"no checkpoint yet in {cfg.load} (the --save folder): starting from iteration 0")
+    with during("data start-up", timeout):
+        note = trainer.attach_data(start, consumed, built)
+    saved = start
+    logger = trainer.metrics_logger(rank, sample_offset=consumed - start * layout.plan.gbs)
+    guard, losses, valid = NanGuard(cfg.max_nan_iters), [], {}
     if rank == 0:
         print(trainer.setup_line(), flush=True)
-        if cfg.load is not None:
-            print(f"resumed from {checkpoint.latest(cfg.load)} at iteration {start}" if start else
-                  f"no checkpoint yet in {cfg.load} (the --save folder): starting from iteration 0", flush=True)
+        for line in notes + ([note] if note else []):
+            print(line, flush=True)
 
     def save(done: int) -> None:
+        samples = consumed + (done - start) * layout.plan.gbs
         with during("checkpoint saving", timeout):
-            path = checkpoint.save(cfg.save, trainer, done, done * layout.plan.gbs)
+            path = checkpoint.save(cfg.save, trainer, done, samples)
         if rank == 0:
             print(f"saved {path}", flush=True)
 
@@ -445,6 +505,18 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
                 saved = done
             if cfg.exit_interval and done % cfg.exit_interval == 0:
                 break
+            if signals is not None:
+                with during(f"iteration {done}", timeout):
+                    stop_now = signals.any_rank(trainer.backend.device)
+                if stop_now:
+                    if cfg.save and saved != done:
+                        save(done)
+                        saved = done
+                    if rank == 0:
+                        print(f"{signals.name} received: stopped after iteration {done}"
+                              + (f", checkpoint in {cfg.save}" if cfg.save else " (no --save: nothing kept)"),
+                              flush=True)
+                    break
         if cfg.save and saved != done:
             save(done)
     finally:
@@ -466,20 +538,16 @@ def _save(path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _error(line: str) -> None:
-    print(f"error: {line}", file=sys.stderr, flush=True)
-
-
 def run(cfg: TrainConfig) -> int:
     """Check, train, tear down; returns the process exit code (failures.py: 0 done,
     1 stopped, 2 bad input).  After a communication failure the process ends here
     (``os._exit(1)``): tearing down a group whose collective failed can abort or hang."""
-    from megatron.hpp.training.failures import CommFailure, TrainingStopped
+    from megatron.hpp.training.failures import CommFailure, TrainingStopped, report_error
 
     try:
         _, layout, rank = prepare(cfg)
     except SpecError as exc:
-        _error(str(exc))
+        report_error(str(exc))   # every rank finds it, one prints it
         return 2
     if rank == 0:
         from megatron.hpp.parallel.topology import tp_node_warning
@@ -491,15 +559,14 @@ def run(cfg: TrainConfig) -> int:
     code = 0
     try:
         train(cfg, layout, rank)
-    except SpecError as exc:
-        _error(f"rank {rank}: {exc}")
+    except SpecError as exc:   # data too short, checkpoint contents: found alike on every rank
+        report_error(str(exc))
         code = 2
     except TrainingStopped as exc:
-        if rank == 0:   # every rank stops at the same iteration (the loss and norm are global)
-            _error(str(exc))
+        report_error(str(exc))   # every rank stops at the same iteration (the loss and norm are global)
         code = 1
     except CommFailure as exc:
-        _error(f"rank {rank}: {exc}")
+        report_error(f"rank {rank}: {exc}", every_rank=True)
         from megatron.hpp.rank_exit import exit_rank
 
         exit_rank(1)    # no teardown, no finally

@@ -17,7 +17,7 @@ averages over the iterations since the previous line:
                         op of every layer plus embedding, final layernorm and
                         head + loss, full s x s attention, recomputation not counted),
                         so the number is comparable with the plan's stage times
-    consumed samples    (iteration + 1) x gbs
+    consumed samples    (iteration + 1) x gbs  (+ the offset of a run resumed under another gbs)
     compute ms p<i>     pipeline i's forward/backward time on its slowest rank
                         (``schedule.ComputeClock``; emulation sleep included)
     bubble ms p<i>      iteration time - compute of pipeline i: everything else the
@@ -110,7 +110,9 @@ class MetricsLogger:
 
     def __init__(self, plan, train_iters: int, log_interval: int, lr_at, *, enabled: bool = True,
                  emulated: bool = False, loss_scale: bool = False, memory_kind: str = "max RSS",
-                 writer=None, out=None, warn=None):
+                 writer=None, out=None, warn=None, sample_offset: int = 0):
+        self.sample_offset = sample_offset
+        """Consumed samples - iteration x gbs (non-zero after a resume under another gbs)."""
         self.plan, self.train_iters, self.log_interval, self.lr_at = plan, train_iters, log_interval, lr_at
         self.enabled, self.emulated, self.loss_scale = enabled, emulated, loss_scale
         self.memory_kind, self.writer = memory_kind, writer
@@ -159,7 +161,7 @@ class MetricsLogger:
         mem = [max(r.peak_mem_bytes[p] for r in results) for p in range(pipes)]
         steady = [r.elapsed_s for i, r in zip(iterations, results) if i != self.first_iteration]
         return {
-            "iteration": last + 1, "consumed_samples": (last + 1) * plan.gbs,
+            "iteration": last + 1, "consumed_samples": self.sample_offset + (last + 1) * plan.gbs,
             "loss": _mean([r.loss for r in updated]), "grad_norm": _mean([r.grad_norm for r in updated]),
             "lr": self.lr_at(last), "iteration_ms": time_s * 1e3,
             "samples_per_s": plan.gbs / time_s, "tokens_per_s": plan.gbs * plan.model.seq_len / time_s,
