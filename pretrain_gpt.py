@@ -109,10 +109,23 @@ def plan_flags(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from megatron.hpp.training.failures import checking_input
+
+    with checking_input():   # torchrun's SIGTERM while the ranks check: exit 2 (failures.py)
+        cfg = config(argv)
+    if cfg is None:
+        return 2
+    from megatron.hpp.training.loop import run
+
+    return run(cfg)
+
+
+def config(argv=None):
+    """The run's TrainConfig from the command line; None after a one-line error."""
     from eth.errors import SpecError
     from megatron.hpp.data.datasets import DEFAULT_SPLIT
     from megatron.hpp.training.failures import report_error
-    from megatron.hpp.training.loop import TrainConfig, run
+    from megatron.hpp.training.loop import TrainConfig
 
     args = parse_args(argv)
     try:
@@ -142,8 +155,8 @@ def main(argv=None) -> int:
                           eval_interval=args.eval_interval, eval_iters=args.eval_iters)
     except SpecError as exc:
         report_error(str(exc))   # every rank finds it; rank 0 prints it
-        return 2
-    return run(cfg)
+        return None
+    return cfg
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 
 import _rt_plans as plans
 import pretrain_gpt
+from megatron.hpp.data.datasets import shipped_corpus
 from eth.spec.model import get_model
 from eth.spec.plan import PipelinePlan
 from megatron.hpp.training.failures import (CommFailure, NanGuard, TrainingStopped, during, is_comm_error, short_reason,
@@ -193,7 +194,13 @@ def one_rank_plan(tmp_path):
     (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
     (["--max-nan-iters", "0"], "--max-nan-iters must be >= 1, got 0"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite positive number"),
-    (["--split", "0,1"], "--split '0,1' gives the training set no share"),
+    (["--split", "0,1", "--data-path", "{corpus}"], "--split '0,1' gives the training set no share"),
+    (["--split", "98,2"], "--split 98,2 without --data-path: synthetic data has no documents to split"),
+    (["--data-cache-path", "{dir}"], "--data-cache-path {dir} without --data-path"),
+    (["--verify-checkpoint"], "--verify-checkpoint checks the checkpoint --load reads: give --load DIR"),
+    (["--save", "{dir}/notes.txt/ck"], "--save {dir}/notes.txt/ck cannot be written: {dir}/notes.txt is a file"),
+    (["--save-params", "{dir}"], "--save-params {dir} is a directory"),
+    (["--nonsense"], "unrecognized arguments: --nonsense (python "),
     (["--data-path", "{dir}"], "--data-path {dir} is a directory; give the prefix of its .bin/.idx files"),
     (["--data-path", "{dir}/notes.txt"], "--data-path {dir}/notes.txt is a plain file; convert it first"),
     (["--data-path", "0.5", "{dir}/missing"], "--data-path {dir}/missing: {dir}/missing.bin and"),
@@ -202,8 +209,12 @@ def test_bad_arguments_one_line_exit_2(extra, message, one_rank_plan, tmp_path, 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "notes.txt").write_text("plain text\n")
-    extra = [a.format(dir=tmp_path) for a in extra]
-    assert pretrain_gpt.main(["--hpp-plan", one_rank_plan, "--train-iters", "2", *extra]) == 2
+    extra = [a.format(dir=tmp_path, corpus=shipped_corpus()) for a in extra]
+    try:
+        code = pretrain_gpt.main(["--hpp-plan", one_rank_plan, "--train-iters", "2", *extra])
+    except SystemExit as exc:   # argparse's own errors
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message.format(dir=tmp_path) in err, err
 

@@ -117,7 +117,7 @@ def test_weights_do_not_depend_on_tp():
     assert torch.cat(shards, 0).equal(full) and shards[0].shape == (3 * spec.hidden // 2, spec.hidden)
 
 
-def test_bad_input_fails_on_every_rank(tmp_path):
+def test_bad_input_fails_on_every_rank_and_rank_0_says_it(tmp_path):
     plans.tp_stage_next_to_dp_stage().save(tmp_path / "five.json")
     plans.too_large_gbs_sum().save(tmp_path / "sum.json")
     short = ["--data-path", str(tmp_path / "short"), "--split", "100,0,0"]
@@ -138,9 +138,12 @@ def test_bad_input_fails_on_every_rank(tmp_path):
     builder.finalize(str(tmp_path / "short.idx"))
     for nproc, path, message, extra in cases:
         results = launch(nproc, ["--hpp-plan", str(path), "--train-iters", "2", *extra], timeout=60)
-        for r in results:
+        for r in results:   # every rank finds it, rank 0 prints it (once, as under torchrun)
             assert r.returncode == 2, (r.rank, r.returncode, r.stderr)
             lines = r.stderr.strip().splitlines()
+            if r.rank:
+                assert lines == [], (r.rank, r.stderr)
+                continue
             assert len(lines) == 1 and message in lines[0], r.stderr
             # checked before any process group exists: no rank-prefixed runtime error
             assert lines[0].startswith("error: ") and not lines[0].startswith("error: rank "), lines[0]

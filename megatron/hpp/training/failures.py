@@ -43,6 +43,23 @@ _COMM_MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection reset", "co
                  "connection refused", "broken pipe", "socket", "processgroup", "store")
 
 
+@contextlib.contextmanager
+def checking_input():
+    """While every rank checks the same input (flags, plan, paths; no process group yet),
+    under torchrun: a SIGTERM means torchrun is ending the workers because one of them
+    exited, which at this point is a bad-input exit; this rank exits 2 as well."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        yield
+        return
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 SILENT_RANK_WAIT_S = 3.0
 """How long a rank that does not print a bad-input error lets rank 0 print it first."""
 

@@ -542,10 +542,11 @@ def run(cfg: TrainConfig) -> int:
     """Check, train, tear down; returns the process exit code (failures.py: 0 done,
     1 stopped, 2 bad input).  After a communication failure the process ends here
     (``os._exit(1)``): tearing down a group whose collective failed can abort or hang."""
-    from megatron.hpp.training.failures import CommFailure, TrainingStopped, report_error
+    from megatron.hpp.training.failures import CommFailure, TrainingStopped, checking_input, report_error
 
     try:
-        _, layout, rank = prepare(cfg)
+        with checking_input():
+            _, layout, rank = prepare(cfg)
     except SpecError as exc:
         report_error(str(exc))   # every rank finds it, one prints it
         return 2
