@@ -10,7 +10,13 @@ asks megatron-core for ``torch.cuda.current_device()``):
 * :func:`tp_group_globals` sets ``parallel_state``'s tp group for the duration of one
   call, for the few megatron-core functions that read it from the globals
   (``vocab_parallel_cross_entropy``) instead of taking a group argument;
-* :func:`synchronize` is a no-op on CPU.
+* :func:`synchronize` is a no-op on CPU;
+* :func:`quiet_megatron_warnings` imports megatron-core once, quietly and, without CUDA,
+  with ``torch.compile`` as the identity: megatron-core decorates its fusion kernels
+  (bias-GeLU, bias-SwiGLU, ...) with ``torch.compile`` at import, which imports dynamo
+  and inductor, 2.7 s of CPU time in every rank's start-up on the CPU this runs on; the
+  runtime calls none of those kernels, and on CPU they would run uncompiled anyway
+  until their first call.
 
 ``parallel_state.initialize_model_parallel`` is never called: its uniform grid cannot
 express HPP.  The bench (bench/runtime_overhead.py) adds what megatron's GPTModel needs
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -54,9 +61,23 @@ def device_name(backend: Backend) -> str | None:
 
 
 def quiet_megatron_warnings() -> None:
-    """Hide megatron-core's import-time notices about optional TE/Apex kernels."""
+    """Hide megatron-core's import-time notices about optional TE/Apex kernels, and import
+    it (without CUDA: its fusion kernels left uncompiled; see the module docstring)."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        return
+    compile_ = torch.compile
+    torch.compile = _uncompiled
+    try:
+        import megatron.core.tensor_parallel  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
+def _uncompiled(model=None, **options):
+    """``torch.compile``'s signature, returning the function itself (as decorator too)."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def synchronize(backend: Backend) -> None:

@@ -47,6 +47,7 @@ sizes, interleaved types and any mbs, which is where the rest of the gap comes f
 the planner-space optimum rose to mean 10.0% and max 152% (the gap tests of "core" fail).
 """
 import functools
+import os
 import random
 import statistics
 
@@ -62,6 +63,7 @@ from eth.planner.evaluate import Evaluator, StageState
 from eth.planner.options import SearchOptions
 from eth.planner.polish import least_recompute
 from eth.planner.search import search
+from eth.planner.workers import parallel_map
 
 from _exhaustive import (Exhaustive, count_vectors, optimum, planner_stages, recompute_front, remat_of_vectors,
                          savings_per_layer, stage_sequences, vector_partitions)
@@ -191,21 +193,25 @@ def suite():
         yield name, model, cluster, gbs
 
 
+def case_row(case) -> dict:
+    """One suite case's two optima and every search's iteration ms (inf: no plan)."""
+    name, model, cluster, gbs = case
+    db = profiles_for(model, cluster)
+    cost = CostModel(model, cluster, db)
+    row = {"name": name, **optimum(model, cluster, db, gbs)}
+    for label, opts in SEARCHES.items():
+        try:
+            row[label] = cost.evaluate(search(model, cluster, db, SearchOptions(gbs=gbs, **opts)))["iteration_ms"]
+        except InfeasibleError:
+            row[label] = float("inf")
+    return row
+
+
 @functools.lru_cache(maxsize=None)
 def results():
-    """Per suite case: the two optima and every search's iteration ms (inf: no plan)."""
-    rows = []
-    for name, model, cluster, gbs in suite():
-        db = profiles_for(model, cluster)
-        cost = CostModel(model, cluster, db)
-        row = {"name": name, **optimum(model, cluster, db, gbs)}
-        for label, opts in SEARCHES.items():
-            try:
-                row[label] = cost.evaluate(search(model, cluster, db, SearchOptions(gbs=gbs, **opts)))["iteration_ms"]
-            except InfeasibleError:
-                row[label] = float("inf")
-        rows.append(row)
-    return rows
+    """Per suite case, :func:`case_row`, over the CPUs this process may use (the planner's
+    own forked workers: each case is independent and deterministic)."""
+    return parallel_map(case_row, list(suite()), len(os.sched_getaffinity(0)))
 
 
 def gaps(label: str, space: str) -> list[float]:

@@ -201,6 +201,8 @@ def one_rank_plan(tmp_path):
     (["--save", "{dir}/notes.txt/ck"], "--save {dir}/notes.txt/ck cannot be written: {dir}/notes.txt is a file"),
     (["--save-params", "{dir}"], "--save-params {dir} is a directory"),
     (["--nonsense"], "unrecognized arguments: --nonsense (python "),
+    (["--load", "{dir}/nope"], "--load {dir}/nope does not exist (to start fresh and resume later, give the same"),
+    (["--load", "{dir}"], "--load {dir} holds no checkpoint (no iter_*/manifest.json; it holds "),
     (["--data-path", "{dir}"], "--data-path {dir} is a directory; give the prefix of its .bin/.idx files"),
     (["--data-path", "{dir}/notes.txt"], "--data-path {dir}/notes.txt is a plain file; convert it first"),
     (["--data-path", "0.5", "{dir}/missing"], "--data-path {dir}/missing: {dir}/missing.bin and"),
