@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
 OUT    ?= out
 
-.PHONY: install run test profiles results clean
+.PHONY: install run test test-fast profiles results clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ run: install
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+# The same without the tests marked slow (multi-process launches, the exhaustive suites).
+test-fast: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
 
 profiles: install
 	$(BIN)/python tools/make_profiles.py -o profiles

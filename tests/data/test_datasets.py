@@ -3,7 +3,6 @@ contract (deterministic, every sample of a global batch once, plan-independent) 
 megatron-core's GPTDataset / BlendedDataset without a process group."""
 import collections
 import io
-import os
 
 import numpy
 import pytest

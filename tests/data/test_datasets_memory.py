@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy
+import pytest
 
 from _data_helpers import write_docs
 
@@ -29,6 +30,7 @@ def _probe(prefix, cache):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_rss_stays_flat_on_a_200mb_corpus(tmp_path):
     rng = numpy.random.default_rng(0)
     n_docs = CORPUS_BYTES // 2 // DOC_TOKENS

@@ -44,6 +44,7 @@ def _expected(tmp_path, monkeypatch) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow
 def test_two_ranks_share_one_cache_and_read_the_same_samples(tmp_path, monkeypatch):
     results = _launch([tmp_path / "shared", tmp_path / "shared"])
     outs = []
@@ -56,6 +57,7 @@ def test_two_ranks_share_one_cache_and_read_the_same_samples(tmp_path, monkeypat
     assert len(built) == 1 and not built[0].name.endswith("partial")
 
 
+@pytest.mark.slow
 def test_unshared_cache_is_one_line_on_every_rank(tmp_path):
     results = _launch([tmp_path / "node0", tmp_path / "node1"])  # each rank its own cache folder
     for rank, (rc, out, err) in enumerate(results):

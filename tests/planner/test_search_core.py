@@ -219,6 +219,7 @@ def gaps(label: str, space: str) -> list[float]:
     return [r[label] / r[space].ms - 1 for r in results() if r[space].plan is not None and r[space].proven]
 
 
+@pytest.mark.slow
 def test_no_search_beats_the_optimum_and_each_stage_only_helps():
     for r in results():
         full = r["full"]
@@ -242,6 +243,7 @@ def percentile(values, q: float) -> float:
     ("core + polish", 0.001, 1e-9, 0.01, 0.99),   # measured 0.01%, 0, 0.78%, 0.99 (issue 11 item 3: max <= 1%)
     ("search()", 0.001, 1e-9, 0.01, 0.99),        # measured 0.01%, 0, 0.78%, 0.99
 ])
+@pytest.mark.slow
 def test_gap_to_the_optimum_of_the_planners_space(label, mean, p95, worst, at_optimum):
     g = gaps(label, "planner")
     share = sum(x <= 1e-9 for x in g) / len(g)
@@ -255,6 +257,7 @@ def test_gap_to_the_optimum_of_the_planners_space(label, mean, p95, worst, at_op
     ("core", 0.33, 9.0),                   # measured 28.0%, 815% (fitted GEMM curves: p95 31.0%)
     ("search()", 0.27, 4.5),               # measured 20.7%, 406% (fitted GEMM curves: p95 25.8%)
 ])
+@pytest.mark.slow
 def test_gap_to_the_optimum_of_the_full_space(label, p95, worst):
     """The planner's space restrictions (equal stage sizes per type, contiguous types,
     power-of-two mbs multiples) cost this much on the suite (over the cases whose planner

@@ -1,8 +1,9 @@
 """The one multi-process launcher of the runtime tests: N ranks of pretrain_gpt.py on gloo.
 
-Each rank is a plain subprocess with RANK/WORLD_SIZE/MASTER_* set (cheaper than
-torchrun) and OMP_NUM_THREADS=1; every rank is killed at the deadline so a hang fails
-the test instead of blocking the suite.
+The ranks are forked from one template process that has imported torch and
+megatron-core (``_rt_ranks.py``), with RANK/WORLD_SIZE/MASTER_* set and
+OMP_NUM_THREADS=1; the template and every rank are killed at the deadline, so a hang
+fails the test instead of blocking the suite.
 
 Ports: the launching process hosts the rendezvous store itself, on a port the OS picks
 while binding it (:func:`rendezvous_store`, port 0), and keeps it bound until the ranks
@@ -12,11 +13,13 @@ No port is released and re-bound, so concurrent launches cannot take each other'
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-import time
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,27 +67,29 @@ def rendezvous():
 
 
 def launch(nproc: int, args: list[str], timeout: float = LAUNCH_TIMEOUT_S,
-           extra_env: dict | None = None, script: Path = REPO / "pretrain_gpt.py") -> list[RankResult]:
+           extra_env: dict | None = None, script: Path = REPO / "pretrain_gpt.py",
+           preload: bool = True) -> list[RankResult]:
     """Run ``script args`` (pretrain_gpt.py by default) as ``nproc`` ranks (``extra_env``
-    on every rank) with a deadline of ``timeout`` seconds; returns every rank's result."""
-    with rendezvous() as meet:
-        procs = []
-        for rank in range(nproc):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **meet, **(extra_env or {}))
-            procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + timeout
-        results = []
+    on every rank) with a deadline of ``timeout`` seconds; returns every rank's result.
+    The ranks are forked from one process that has imported torch and megatron-core
+    (``_rt_ranks.py``), so they do not each pay for the imports; ``preload=False`` for
+    ranks that end before they would import them (bad input)."""
+    with rendezvous() as meet, tempfile.TemporaryDirectory(prefix="ranks-") as out:
+        env = dict(os.environ, WORLD_SIZE=str(nproc), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   HPP_TEST_PRELOAD="1" if preload else "0", **meet, **(extra_env or {}))
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_rt_ranks.py")), str(nproc), out,
+                                 str(script), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            for rank, proc in enumerate(procs):
-                out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-                results.append(RankResult(rank, proc.returncode, out, err))
+            template, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for proc in procs:
-                proc.kill()
-            for proc in procs:
-                proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)   # the template and every rank it forked
+            proc.communicate()
             raise AssertionError(f"{nproc} ranks of {script.name} {' '.join(args)} did not finish "
                                  f"in {timeout:.0f} s") from None
-    return results
+        codes = Path(out) / "codes.json"
+        if proc.returncode != 0 or not codes.is_file():
+            raise AssertionError(f"the rank template failed (exit {proc.returncode}):\n{template[-3000:]}")
+        code = {int(r): c for r, c in json.loads(codes.read_text()).items()}
+        return [RankResult(r, code[r], (Path(out) / f"rank{r}.out").read_text(),
+                           (Path(out) / f"rank{r}.err").read_text()) for r in range(nproc)]

@@ -6,12 +6,11 @@
   ``show_plan --png out.jpg`` is refused instead of writing PNG bytes into a .jpg; a
   cluster with ``emulate_speed: 0`` is refused by name.
 * ``pretrain_gpt.py`` through torchrun, as a user starts it (2 workers), one bad input
-  from each phase of the checks (argparse, the flags, the plan and paths, the
-  checkpoint): an unwritable ``--save``, ``--split`` without ``--data-path``, a mistyped
-  flag, a ``--load`` folder whose only checkpoint is damaged: each prints ``error: ...``
-  once (rank 0), as the first line of the output and before torchrun's report, and
-  torchrun reports exit code 2 for every worker.  The other bad inputs of each phase
-  are test_metrics_failures.py's, in process.
+  from each phase of the checks (argparse, the plan and paths, the checkpoint): a
+  mistyped flag, an unwritable ``--save``, a ``--load`` folder whose only checkpoint is
+  damaged: each prints ``error: ...`` once (rank 0), as the first line of the output and
+  before torchrun's report, and torchrun reports exit code 2 for every worker.  The
+  other bad inputs of each phase are test_metrics_failures.py's, in process.
 """
 from __future__ import annotations
 
@@ -83,6 +82,7 @@ def _torchrun(args, cwd) -> tuple[int, list[str]]:
     return proc.returncode, (proc.stdout + proc.stderr).splitlines()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_PROC, reason="needs /proc (a folder no one can create files in)")
 def test_pretrain_bad_input_under_torchrun_is_one_line_and_exit_2_on_every_rank(tmp_path):
     plan = plans.make(2, [PipelinePlan(4, 8, [plans.stage([0], 1, 1, (0, 4))]),
@@ -95,7 +95,6 @@ def test_pretrain_bad_input_under_torchrun_is_one_line_and_exit_2_on_every_rank(
     run = ["--hpp-plan", "p.json", "--train-iters", "2"]
     cases = [
         (["--save", "/proc/nope/ck"], "--save /proc/nope/ck cannot be written: cannot create anything in /proc"),
-        (["--split", "98,2"], "--split 98,2 without --data-path: synthetic data has no documents"),
         (["--exit-signal-handlr"], "unrecognized arguments: --exit-signal-handlr (python pretrain_gpt.py --help"),
         (["--load", "broken"], "--load broken: no intact checkpoint: iter_0000004 is damaged (no manifest.json"),
     ]

@@ -85,6 +85,7 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
         check_loadable(tmp_path, replace(model, rope_theta=500000.0))
 
 
+@pytest.mark.slow
 def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path):
     plan_a, plan_b = plans.different_splits_with_dp(), plans.two_pipelines_different_depth()
     plan_a.training, plan_b.training = TrainSetup("fp32", 1, "fp32"), TrainSetup("fp32", 2, "fp32")

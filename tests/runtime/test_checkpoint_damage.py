@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,8 +34,9 @@ from _rt_reference import train_reference
 from _rt_spawn import REPO, launch
 from eth.errors import SpecError
 from eth.spec.plan import PipelinePlan
+from eth.spec.precision import TrainSetup
 from megatron.hpp.data.datasets import DataConfig, build_sources, shipped_corpus
-from megatron.hpp.training.checkpoint import check_load_path, file_entries, find, write_manifest
+from megatron.hpp.training.checkpoint import check_load_path, file_entries, find, setup_changes, write_manifest
 
 ITERS = 8
 
@@ -70,12 +72,27 @@ def test_find_passes_damaged_checkpoints_over(tmp_path):
         ("iter_0000004", "no manifest.json (a save that did not finish, or one written without checksums)")]
     assert found.lines()[0] == (f"checkpoint {tmp_path / 'iter_0000008'} is damaged (__0_0.distcp has 60 bytes, "
                                 f"the manifest says 100 (cut short or overwritten)): passed over")
-    (tmp_path / "iter_0000002" / "__0_0.distcp").unlink()
+    (tmp_path / "iter_0000002" / "__0_0.distcp").unlink()                          # deleted
+    assert find(tmp_path).damaged[-1] == (tmp_path / "iter_0000002", "__0_0.distcp is missing")
     with pytest.raises(SpecError, match=r"no intact checkpoint: iter_0000008 is damaged \(__0_0.distcp has 60 "
                                         r"bytes.*\), and 3 older one\(s\) too; the folder is left as it is"):
         check_load_path(tmp_path)
     (tmp_path / "iter_0000002" / "manifest.json").write_text("{")
     assert find(tmp_path).damaged[-1][1] == "manifest.json is not a manifest (not JSON or no files list)"
+
+
+def test_setup_changes_on_resume_are_said():
+    plan = two_ranks(8)
+    plan.training = TrainSetup("fp32", 1, "fp32")
+    trainer = SimpleNamespace(plan=plan, setup=plan.training)
+    common = {"iteration": 4, "consumed_samples": 64,
+              "training": {"precision": "bf16", "zero_stage": 1, "grad_reduce": "fp32"}}
+    assert setup_changes(common, trainer) == [
+        "note: the checkpoint was trained with precision bf16, this run uses fp32 (the fp32 main weights and "
+        "moments carry over; the compute weights are cast)",
+        "note: the checkpoint's run consumed 64 samples in 4 iterations, this plan's global batch is 8: training "
+        "goes on from sample 64"]
+    assert setup_changes(dict(common, consumed_samples=32, training=plan.training.to_dict()), trainer) == []
 
 
 def _ok(results):
@@ -90,6 +107,7 @@ def _corrupt_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_killed_save_and_damaged_checkpoints_resume_from_the_last_intact(tmp_path):
     two_ranks().save(tmp_path / "p.json")
     ref, _ = train_reference(two_ranks().model, 16, ITERS)
@@ -131,6 +149,7 @@ def test_killed_save_and_damaged_checkpoints_resume_from_the_last_intact(tmp_pat
     assert torch.load(tmp_path / "c.pt")["losses"][:2] == resumed[2:]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_a_smaller_global_batch_goes_on_from_the_consumed_samples(tmp_path):
     two_ranks(16).save(tmp_path / "p16.json")
     two_ranks(8).save(tmp_path / "p8.json")

@@ -313,6 +313,7 @@ def test_transformer_engine_attention_equals_sdpa_on_cuda():
 
 
 # ------------------------------------------------------------------ one launch, six plans
+@pytest.mark.slow
 def test_heterogeneous_plans_equal_single_process(tmp_path):
     import torch
 

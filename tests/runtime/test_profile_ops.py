@@ -268,6 +268,7 @@ def test_merge_keeps_other_shapes(tmp_path, capsys):
     assert "holds device 'cpu', not 'other'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_collectives_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "cpu.json"
     args = ["--model", "tiny", "--device-type", "cpu", "--mbs", "1", "--tp", "1", "--collectives",
@@ -318,6 +319,7 @@ def test_device_type_warning_on_cpu(tmp_path, capsys):
         assert load_profile(tmp_path / "a.json").device == "A100"
 
 
+@pytest.mark.slow
 def test_real_tp_group_measures_with_the_collectives(measured):
     """--real-tp: tp 2 timed by 2 processes on a real gloo group (one launch: sizes, the
     flag, the cost model's use of it).  Sizes must equal the fake group's exactly (same

@@ -15,6 +15,8 @@ import _rt_plans as plans
 from _rt_reference import train_reference
 from _rt_spawn import launch
 
+pytestmark = pytest.mark.slow   # gloo launches: `make test-fast` leaves them out
+
 ITERS = 3
 TOL = 1e-5
 CLIP = 0.5  # below the gradient norms of these runs (~0.8), so clipping and the norm count

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from _rt_spawn import REPO, free_port
 from eth.spec.plan import load_plan
 from megatron.hpp.parallel.launch import main as launch_main
@@ -28,6 +30,7 @@ def _two_nodes(tmp_path, port: int):
     return procs, outs
 
 
+@pytest.mark.slow
 def test_node_sh_trains_a_plan_over_two_nodes(tmp_path):
     # torchrun's static rendezvous binds MASTER_PORT itself, so the port cannot be held for
     # it; when another process took the port in between, try again on a new one.

@@ -32,6 +32,8 @@ from eth.spec.plan import PipelinePlan
 from megatron.hpp.data.batches import SyntheticData, batch
 from megatron.hpp.data.datasets import DataConfig, build_sources, shipped_corpus
 
+pytestmark = pytest.mark.slow   # gloo launches: `make test-fast` leaves them out
+
 ITERS = 3
 TOL = 1e-5
 FIELDS = ("consumed samples", "loss", "grad norm", "lr", "time", "samples/s", "tokens/s",
