@@ -149,9 +149,13 @@ def test_bad_model_sources(tmp_path):
 def test_plan_flags_must_match_the_plan():
     plan = load_plan(ROOT / "examples/plans/cpu-demo.json")
     mbs = sorted({p.mbs for p in plan.pipelines})
+    tps = sorted({s.tp for p in plan.pipelines for s in p.stages})   # the shipped plan's, whatever they are
     check_plan_flags(plan, {"global_batch_size": plan.gbs, "seq_length": plan.model.seq_len,
-                            "hidden_size": plan.model.hidden, "tensor_model_parallel_size": 1,
-                            "normalization": "LayerNorm", "micro_batch_size": None})
+                            "hidden_size": plan.model.hidden, "normalization": "LayerNorm", "micro_batch_size": None,
+                            **({"tensor_model_parallel_size": tps[0]} if len(tps) == 1 else {})})
+    if len(tps) > 1:
+        with pytest.raises(SpecError, match=r"--tensor-model-parallel-size .* \(per stage\)"):
+            check_plan_flags(plan, {"tensor_model_parallel_size": tps[0]})
     with pytest.raises(SpecError, match=f"--global-batch-size {2 * plan.gbs} but the plan has {plan.gbs};"):
         check_plan_flags(plan, {"global_batch_size": 2 * plan.gbs})
     if len(mbs) > 1:
@@ -192,8 +196,11 @@ def test_search_hpp_takes_a_config_json_and_megatron_flags(tmp_path):
 
 
 def test_pretrain_gpt_checks_megatron_flags_against_the_plan():
+    plan = load_plan(ROOT / "examples/plans/cpu-demo.json")
+    tp = 2 * max(s.tp for p in plan.pipelines for s in p.stages)   # a degree no stage has
     for flags, words in [(["--micro-batch-size", "5"], "--micro-batch-size 5 but the plan has"),
-                         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 but the plan has 1"),
+                         (["--tensor-model-parallel-size", str(tp)], f"--tensor-model-parallel-size {tp} but the "
+                                                                     f"plan has"),
                          (["--seq-length", "64"], "--seq-length 64 does not match the plan's model tiny (seq_len 32)"),
                          (["--lr-decay-style", "constant", "--min-lr", "0.1"], "--lr-decay-style constant with")]:
         proc = _cli("pretrain_gpt.py", "--hpp-plan", "examples/plans/cpu-demo.json", "--train-iters", "2", *flags)
