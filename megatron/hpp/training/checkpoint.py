@@ -265,22 +265,16 @@ def check_load_path(load, save=None) -> None:
     """SpecError unless ``--load`` names a folder with an intact checkpoint of ours, or is
     the ``--save`` folder (the auto-resume idiom: nothing there yet starts fresh)."""
     path = Path(load)
-    if save is not None and path.resolve() == Path(save).resolve():
-        if path.exists() and not path.is_dir():
-            raise SpecError(f"--load/--save {load} is a file, not a folder")
-        found = find(path)
-        if found.path is None and found.damaged:
-            raise SpecError(_none_intact(load, found))
-        return
-    if not path.exists():
+    auto_resume = save is not None and path.resolve() == Path(save).resolve()
+    if path.exists() and not path.is_dir():
+        raise SpecError(f"--load {load} is a file, not a checkpoint folder")
+    if not path.exists() and not auto_resume:
         raise SpecError(f"--load {load} does not exist (to start fresh and resume later, give the same "
                         f"folder to --save and --load)")
-    if not path.is_dir():
-        raise SpecError(f"--load {load} is a file, not a checkpoint folder")
     found = find(path)
     if found.path is None and found.damaged:
         raise SpecError(_none_intact(load, found))
-    if found.path is None:
+    if found.path is None and not auto_resume:
         names = sorted(p.name for p in path.iterdir())
         listed = (f"{len(names)} entries: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
                   if names else "nothing")
