@@ -105,23 +105,27 @@ def test_logger_flush_and_last_iteration():
     assert none == []
 
 
-def test_stale_profile_warning_once_and_only_beyond_20_percent():
+def test_stale_profile_warning_once_on_the_running_mean_beyond_20_percent():
     plan = plans.uneven_lbs_different_mbs()
     plan.predicted = {"iteration_ms": 100.0}
-    log, lines, warnings = _logger(plan, interval=1)
+    log, lines, warnings = _logger(plan, interval=1, iters=20)
     log.record(0, _result(elapsed=10.0))           # the first (warm-up) iteration is not compared
-    log.record(1, _result(elapsed=0.119))          # within 20%
-    log.record(2, _result(elapsed=0.081))
+    for it, elapsed in enumerate([0.119, 0.081, 0.5, 0.1], start=1):
+        log.record(it, _result(elapsed=elapsed))   # a 5x iteration, but fewer than 5 to average
     assert warnings == [] and "time 119.0 ms (plan 100.0 ms)" in lines[1]
-    log.record(3, _result(elapsed=0.125))
-    log.record(4, _result(elapsed=0.5))            # still off, but said once
-    assert warnings == ["warning: measured iteration time 125.0 ms is 1.25x the plan's predicted 100.0 ms "
-                        "(more than 20% off): profile may be stale: re-run tools/profile_ops.py"]
-    resumed, _, warned = _logger(plan, interval=1)
+    log.record(5, _result(elapsed=0.1))            # mean of 5: 180 ms
+    log.record(6, _result(elapsed=0.5))            # still off, but said once
+    assert warnings == ["warning: measured iteration time 180.0 ms (mean of 5) is 1.80x the plan's predicted "
+                        "100.0 ms (more than 20% off): profile may be stale: re-run tools/profile_ops.py"]
+    noisy, _, quiet = _logger(plan, interval=1, iters=20)
+    for it, elapsed in enumerate([1.0, 0.1, 0.1, 0.1, 0.1, 0.15, 0.1, 0.1]):
+        noisy.record(it, _result(elapsed=elapsed))  # one 1.5x iteration in a 1.06x run: no warning
+    assert quiet == []
+    resumed, _, warned = _logger(plan, interval=1, iters=7)
     resumed.record(5, _result(elapsed=0.07))       # a resumed run's first iteration: warm-up
     assert warned == []
-    resumed.record(6, _result(elapsed=0.07))       # 0.7x: too fast is stale too
-    assert len(warned) == 1 and "0.70x" in warned[0]
+    resumed.record(6, _result(elapsed=0.07))       # its last: a short run compares what it has
+    assert len(warned) == 1 and "0.70x" in warned[0]   # too fast is stale too
 
 
 def test_nan_guard_counts_consecutive_bad_iterations():

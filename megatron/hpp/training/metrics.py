@@ -30,9 +30,11 @@ averages over the iterations since the previous line:
                         with a NaN or Inf loss or gradient norm (see failures.py)
     plan                the plan's predicted iteration time (``plan.predicted
                         ["iteration_ms"]``) beside the measured one; the first time the
-                        interval mean (without the run's first, warm-up iteration, also
-                        after a resume) differs from it by more than 20%, rank 0 prints
-                        one warning line on stderr
+                        mean over the run's iterations so far (without its first, warm-up
+                        iteration, also after a resume; at least 5 of them, or all of a
+                        shorter run at its end) differs from it by more than 20%, rank 0
+                        prints one warning line on stderr: one slow iteration on a busy
+                        host does not warn, a profile of another host does
 
 TensorBoard (``--tensorboard-dir``): ``torch.utils.tensorboard.SummaryWriter`` when the
 ``tensorboard`` package is installed, one scalar per number above at the interval's
@@ -46,6 +48,9 @@ from dataclasses import dataclass, field
 
 STALE_TOLERANCE = 0.2
 """|measured / predicted - 1| beyond this triggers the stale-profile warning."""
+STALE_MIN_ITERATIONS = 5
+"""Steady iterations averaged before the stale-profile warning may fire (fewer only at
+the end of a shorter run)."""
 
 
 def model_flops_per_sample(spec) -> float:
@@ -121,6 +126,8 @@ class MetricsLogger:
         self.flops_per_iteration = model_flops_per_sample(plan.model) * plan.gbs
         self.predicted_ms = plan.predicted.get("iteration_ms")
         self.warned_stale = False
+        self.steady_s: list[float] = []
+        """Every iteration time of the run but its first (the stale-profile warning's mean)."""
         self.first_iteration = None
         """The run's first recorded iteration (0, or where a resumed run starts): warm-up."""
         self.window = _Window()
@@ -134,6 +141,8 @@ class MetricsLogger:
             return
         if self.first_iteration is None:
             self.first_iteration = iteration
+        elif math.isfinite(result.elapsed_s):
+            self.steady_s.append(result.elapsed_s)
         self.window.add(iteration, result)
         if flush or (iteration + 1) % self.log_interval == 0 or iteration + 1 == self.train_iters:
             self._emit()
@@ -144,7 +153,7 @@ class MetricsLogger:
             return
         stats = self.summarize(w.iterations, w.results)
         self._print(self._line(stats))
-        stale = self._stale_warning(stats)
+        stale = self._stale_warning(last=w.iterations[-1] + 1 == self.train_iters)
         if stale:
             self.lines.append(stale)
             self.warn(stale)
@@ -185,16 +194,17 @@ class MetricsLogger:
                 f"skipped {s['skipped']} | nan {s['nonfinite']}{fp16}"
                 + (" (emulated)" if self.emulated else ""))
 
-    def _stale_warning(self, s: dict) -> str | None:
-        measured, predicted = s["steady_ms"], self.predicted_ms
-        if self.warned_stale or not predicted or measured is None or not math.isfinite(measured):
+    def _stale_warning(self, last: bool) -> str | None:
+        predicted, count = self.predicted_ms, len(self.steady_s)
+        if self.warned_stale or not predicted or not count or (count < STALE_MIN_ITERATIONS and not last):
             return None
+        measured = _mean(self.steady_s) * 1e3
         ratio = measured / predicted
         if abs(ratio - 1) <= STALE_TOLERANCE:
             return None
         self.warned_stale = True
-        return (f"warning: measured iteration time {measured:.1f} ms is {ratio:.2f}x the plan's predicted "
-                f"{predicted:.1f} ms (more than {STALE_TOLERANCE:.0%} off): profile may be stale: "
+        return (f"warning: measured iteration time {measured:.1f} ms (mean of {count}) is {ratio:.2f}x the plan's "
+                f"predicted {predicted:.1f} ms (more than {STALE_TOLERANCE:.0%} off): profile may be stale: "
                 f"re-run tools/profile_ops.py")
 
     def _write(self, s: dict) -> None:
