@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -24,8 +25,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def kill_in_save(rank: int, spec: str) -> None:
+    """``HPP_TEST_KILL_IN_SAVE=RANK:ITERATION``: that rank kills itself (SIGKILL) in the save
+    of that iteration after its shards are written, before the manifest (where it hashes
+    its share of the files), as a crash would."""
+    from megatron.hpp.training import checkpoint
+
+    victim, iteration = (int(x) for x in spec.split(":"))
+    hash_files = checkpoint.file_entries
+
+    def file_entries(folder, names):
+        if rank == victim and Path(folder).name == f"iter_{iteration:07d}.tmp":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return hash_files(folder, names)
+
+    checkpoint.file_entries = file_entries
+
+
 def run_rank(rank: int, out: Path, script: str, args: list[str]) -> int:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    if os.environ.get("HPP_TEST_KILL_IN_SAVE"):
+        kill_in_save(rank, os.environ["HPP_TEST_KILL_IN_SAVE"])
     for fd, suffix in ((1, "out"), (2, "err")):
         target = os.open(out / f"rank{rank}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)

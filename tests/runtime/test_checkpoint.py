@@ -24,7 +24,7 @@ from eth.errors import SpecError
 from eth.layout.params import ShardSpec
 from eth.spec.plan import PipelinePlan
 from eth.spec.precision import TrainSetup
-from megatron.hpp.training.checkpoint import _piece_boxes, check_loadable, file_entries, write_manifest
+from megatron.hpp.training.checkpoint import _piece_boxes, check_load, file_entries, write_manifest
 
 SCHEDULE = ["--lr", "2e-3", "--min-lr", "1e-4", "--warmup", "2", "--clip-grad", "0.5"]
 
@@ -65,24 +65,24 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
     _write_common(tmp_path / "iter_0000004", common)
     (tmp_path / "latest").write_text("iter_0000004\n")
     with pytest.raises(SpecError, match="another model shape .* hidden 32 != 64"):
-        check_loadable(tmp_path, model)
-    assert check_loadable(tmp_path / "none", model) is None
+        check_load(tmp_path, model)
+    assert check_load(tmp_path / "none", model, save=tmp_path / "none") is None
     # a stale marker (its folder replaced by a killed re-save): the newest complete folder
     (tmp_path / "latest").write_text("iter_0000008\n")
     (tmp_path / "iter_0000008.tmp").mkdir()
     with pytest.raises(SpecError, match="iter_0000004 is of another model shape"):
-        check_loadable(tmp_path, model)
+        check_load(tmp_path, model)
     # same sizes, other layers (a LayerNorm / learned-position / bias GPT into an RMSNorm /
     # rope / no-bias model), or another rope base: refused; a checkpoint written before
     # these fields existed reads as the GPT defaults
     common["model"] = {k: v for k, v in model.to_dict(compact=True).items()}
     _write_common(tmp_path / "iter_0000004", common)
-    assert check_loadable(tmp_path, model)["iteration"] == 4
+    assert check_load(tmp_path, model)["iteration"] == 4
     llama = replace(model, norm="rmsnorm", position="rope", bias=False)
     with pytest.raises(SpecError, match="norm layernorm != rmsnorm, position learned != rope, bias True != False"):
-        check_loadable(tmp_path, llama)
+        check_load(tmp_path, llama)
     with pytest.raises(SpecError, match="rope_theta 10000.0 != 500000.0"):
-        check_loadable(tmp_path, replace(model, rope_theta=500000.0))
+        check_load(tmp_path, replace(model, rope_theta=500000.0))
 
 
 @pytest.mark.slow

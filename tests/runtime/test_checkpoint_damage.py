@@ -36,7 +36,7 @@ from eth.errors import SpecError
 from eth.spec.plan import PipelinePlan
 from eth.spec.precision import TrainSetup
 from megatron.hpp.data.datasets import DataConfig, build_sources, shipped_corpus
-from megatron.hpp.training.checkpoint import check_load_path, file_entries, find, setup_changes, write_manifest
+from megatron.hpp.training.checkpoint import check_load, file_entries, find, setup_changes, write_manifest
 
 ITERS = 8
 
@@ -76,7 +76,7 @@ def test_find_passes_damaged_checkpoints_over(tmp_path):
     assert find(tmp_path).damaged[-1] == (tmp_path / "iter_0000002", "__0_0.distcp is missing")
     with pytest.raises(SpecError, match=r"no intact checkpoint: iter_0000008 is damaged \(__0_0.distcp has 60 "
                                         r"bytes.*\), and 3 older one\(s\) too; the folder is left as it is"):
-        check_load_path(tmp_path)
+        check_load(tmp_path, None)
     (tmp_path / "iter_0000002" / "manifest.json").write_text("{")
     assert find(tmp_path).damaged[-1][1] == "manifest.json is not a manifest (not JSON or no files list)"
 
@@ -114,7 +114,7 @@ def test_killed_save_and_damaged_checkpoints_resume_from_the_last_intact(tmp_pat
     ckpt = tmp_path / "ck"
     run = ["--hpp-plan", str(tmp_path / "p.json"), "--train-iters", str(ITERS), "--log-interval", "8"]
     killed = launch(2, [*run, "--save", str(ckpt), "--save-interval", "2"],
-                    extra_env={"HPP_CHECKPOINT_FAULT": "after-shards:1:6"})
+                    extra_env={"HPP_TEST_KILL_IN_SAVE": "1:6"})
     assert killed[1].returncode == -signal.SIGKILL and killed[0].returncode == 1, killed[0].stderr[-2000:]
     assert "communication failed during checkpoint saving" in killed[0].stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006.tmp", "latest"]

@@ -256,14 +256,11 @@ def find(root) -> Found:
     return Found(candidates[0] if candidates else None, damaged, candidates)
 
 
-def latest(root) -> Path | None:
-    """The newest intact checkpoint under ``root`` (None if there is none)."""
-    return find(root).path
-
-
-def check_load_path(load, save=None) -> None:
-    """SpecError unless ``--load`` names a folder with an intact checkpoint of ours, or is
-    the ``--save`` folder (the auto-resume idiom: nothing there yet starts fresh)."""
+def check_load(load, model, save=None) -> dict | None:
+    """Pure check before any process group: the common state of the checkpoint ``--load``
+    resumes (its model checked against ``model``), or None where the ``--save`` folder
+    holds nothing yet (the auto-resume idiom starts fresh).  SpecError unless ``load``
+    names a folder with an intact checkpoint of ours of the same model."""
     path = Path(load)
     auto_resume = save is not None and path.resolve() == Path(save).resolve()
     if path.exists() and not path.is_dir():
@@ -279,22 +276,13 @@ def check_load_path(load, save=None) -> None:
         listed = (f"{len(names)} entries: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
                   if names else "nothing")
         raise SpecError(f"--load {load} holds no checkpoint (no iter_*/{MANIFEST}; it holds {listed})")
+    return None if found.path is None else check_common(found.path, model)
 
 
 def _none_intact(load, found: Found) -> str:
     (newest, why), more = found.damaged[0], len(found.damaged) - 1
     return (f"--load {load}: no intact checkpoint: {newest.name} is damaged ({why})"
             + (f", and {more} older one(s) too" if more else "") + "; the folder is left as it is")
-
-
-def check_loadable(root, model) -> dict | None:
-    """Pure check before any process group: the common state of the newest intact
-    checkpoint under ``root`` (None if there is none); SpecError if its model has
-    another shape."""
-    path = latest(root)
-    if path is None:
-        return None
-    return check_common(path, model)
 
 
 def check_common(path, model) -> dict:
@@ -356,7 +344,6 @@ def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
                    "hysteresis_tracker": scaler._hysteresis_tracker}}
         (tmp / "common.json").write_text(json.dumps(common, indent=1))
     dist.barrier()
-    _fault("after-shards", rank, iteration)
     names = sorted(p.name for p in tmp.iterdir())
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, file_entries(tmp, names[rank::len(shares)]))
@@ -368,16 +355,6 @@ def save(root, trainer, iteration: int, consumed_samples: int) -> Path:
         atomic_write_text(root / "latest", final.name + "\n")
     dist.barrier()
     return final
-
-
-def _fault(point: str, rank: int, iteration: int) -> None:
-    """Test hook (docs/TESTING.md): ``HPP_CHECKPOINT_FAULT=point:rank:iteration`` kills this
-    rank with SIGKILL at ``point`` of the save of ``iteration``, as a crash would."""
-    spec = os.environ.get("HPP_CHECKPOINT_FAULT")
-    if spec and spec == f"{point}:{rank}:{iteration}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load(path, trainer) -> dict:

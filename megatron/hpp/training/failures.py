@@ -53,11 +53,19 @@ def checking_input():
         return
     import signal
 
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
+    previous = _sigterm_exits_2()
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_exits_2():
+    """From now on the launcher's SIGTERM ends this rank with exit code 2 (bad input);
+    returns the handler it replaced."""
+    import signal
+
+    return signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
 
 
 SILENT_RANK_WAIT_S = 3.0
@@ -77,10 +85,9 @@ def report_error(line: str, every_rank: bool = False) -> None:
     if every_rank or not rank.isdigit() or int(rank) == 0:
         print(f"error: {line}", file=sys.stderr, flush=True)
     elif os.environ.get("TORCHELASTIC_RUN_ID"):
-        import signal
         import time
 
-        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
+        _sigterm_exits_2()
         time.sleep(SILENT_RANK_WAIT_S)
 
 

@@ -214,10 +214,9 @@ def prepare(cfg: TrainConfig):
     if data is not None:
         check_data(data)   # a directory, a plain text file, missing/short files, token width
     if cfg.load is not None:
-        from megatron.hpp.training.checkpoint import check_loadable, check_load_path
+        from megatron.hpp.training.checkpoint import check_load
 
-        check_load_path(cfg.load, cfg.save)
-        common = check_loadable(cfg.load, plan.model)   # another model shape: SpecError
+        common = check_load(cfg.load, plan.model, cfg.save)   # another model: SpecError
         if common is not None and not cfg.verify_checkpoint:   # (verified: train() checks)
             check_iterations_left(cfg, common["iteration"])
     from eth.cli.common import check_output_dir, check_output_file
