@@ -3,7 +3,8 @@
 Paper section 4.2.1 / 4.2.2, with the restrictions that keep large clusters tractable:
 
 * **Blocks.**  Devices of one type are interchangeable.  The ``c_t`` devices of type
-  ``t`` are cut into ``k_t <= max_blocks_per_type`` equal blocks of ``b_t`` devices
+  ``t`` are cut into ``k_t <= max_blocks_per_type`` (and ``<= max(2, max_blocks / T)``
+  for T types) equal blocks of ``b_t`` devices
   (:func:`make_blocks`; ``b_t`` is the smallest power of two, else the smallest divisor,
   that brings ``k_t`` under the cap).  Small clusters (<= 8 devices per type) keep
   ``b_t = 1``, i.e. the full space.  A pipeline is a vector ``n = (n_t)`` of block
@@ -79,8 +80,11 @@ def _block_size(count: int, cap: int) -> int:
     return count
 
 
-def make_blocks(cluster: Cluster, max_blocks_per_type: int) -> Blocks:
-    """Cut each type's devices into at most ``max_blocks_per_type`` equal blocks."""
+def make_blocks(cluster: Cluster, max_blocks_per_type: int, max_blocks: int = 0) -> Blocks:
+    """Cut each type's devices into at most ``max_blocks_per_type`` equal blocks, and with
+    ``max_blocks`` (> 0) into at most max(2, ``max_blocks`` // types) (the pipeline
+    vectors of T types number prod(k_t + 1): a budget over all types keeps them few on
+    many types and leaves two types as they are)."""
     types, ranks, nodes = [], {}, {}
     for d in cluster.devices:
         if d.type not in ranks:
@@ -88,7 +92,8 @@ def make_blocks(cluster: Cluster, max_blocks_per_type: int) -> Blocks:
             ranks[d.type], nodes[d.type] = [], []
         ranks[d.type].append(d.rank)
         nodes[d.type].append(d.node)
-    block = tuple(_block_size(len(ranks[t]), max_blocks_per_type) for t in types)
+    cap = min(max_blocks_per_type, max(2, max_blocks // len(types))) if max_blocks else max_blocks_per_type
+    block = tuple(_block_size(len(ranks[t]), cap) for t in types)
     count = tuple(len(ranks[t]) // b for t, b in zip(types, block))
     return Blocks(tuple(types), block, count, tuple(tuple(ranks[t]) for t in types),
                   tuple(tuple(nodes[t]) for t in types))
@@ -212,17 +217,42 @@ def _stage_sizes(d: int, max_stages: int) -> list[int]:
     return sorted(x for x in sizes if d // x <= max_stages)
 
 
-def stage_groups(types, devices, num_layers: int, max_stages: int) -> list[StageGroup]:
-    """All stage device groups of a pipeline with ``devices[t]`` devices of ``types[t]``."""
+def stage_groups(types, devices, num_layers: int, max_stages: int, orders=None) -> list[StageGroup]:
+    """All stage device groups of a pipeline with ``devices[t]`` devices of ``types[t]``;
+    with ``orders`` (tuples of the present types) only those type orders, else every one."""
     present = [(t, d) for t, d in zip(types, devices) if d]
     limit = min(num_layers, max_stages)
     result = []
-    for perm in itertools.permutations(present):
+    count = dict(present)
+    perms = itertools.permutations(present) if orders is None else \
+        [tuple((t, count[t]) for t in order) for order in orders]
+    for perm in perms:
         for sizes in itertools.product(*[_stage_sizes(d, limit) for _, d in perm]):
             stages = tuple((t, s) for (t, d), s in zip(perm, sizes) for _ in range(d // s))
             if 1 <= len(stages) <= limit:
                 result.append(StageGroup(stages))
     return result
+
+
+def scale_groups(order, devices: dict, num_layers: int, max_stages: int) -> list[StageGroup]:
+    """A few stage device groups of the type order ``order`` (``devices[t]`` devices of
+    each): for k = 0, 1, ... every type's stages are of its largest allowed size that is
+    at most ``devices[t] / 2^k`` (one stage per type, then about twice as many, ...),
+    while the stage count stays within the limit: the samples by which
+    :func:`eth.planner.pipeline.promising_orders` ranks type orders."""
+    limit = min(num_layers, max_stages)
+    sizes = {t: _stage_sizes(devices[t], limit) for t in order}
+    out, k = [], 0
+    while True:
+        pick = {t: max([s for s in sizes[t] if s * 2 ** k <= devices[t]] or sizes[t][:1]) for t in order}
+        stages = tuple((t, pick[t]) for t in order for _ in range(devices[t] // pick[t]))
+        if len(stages) > limit:
+            return out
+        if not out or out[-1].stages != stages:
+            out.append(StageGroup(stages))
+        if all(pick[t] == sizes[t][0] for t in order):
+            return out
+        k += 1
 
 
 def _granule(size: int, per_node: int) -> int:

@@ -43,6 +43,10 @@ class SearchOptions:
     max_blocks_per_type: int = 8
     """Enumeration granularity: the devices of each type are cut into at most this many
     equal blocks (powers of two preferred); pipelines are multisets of blocks."""
+    max_blocks: int = 16
+    """Enumeration granularity over all types: with T device types each type is cut into
+    at most max(2, max_blocks // T) blocks too (16: 8 per type for 2 types, 5 for 3, 4
+    for 4, 2 for 6); 0 = ``max_blocks_per_type`` alone."""
     max_stages: int = 16
     """Largest number of stages of one pipeline."""
     max_pipelines: int = 0
@@ -54,6 +58,11 @@ class SearchOptions:
     """If > 0, only this many stage device groups of a pipeline (those with the best
     warm-started configuration) get the balancer; 0 = all of them (default: measured 1%
     better plans on 64-128 devices for ~50% more search time than 6)."""
+    type_orders: int = 6
+    """A pipeline of more device types than have this many orders (4 and more by default:
+    4! = 24) balances the stage groups of its ``type_orders`` most promising type orders
+    only (:func:`eth.planner.pipeline.promising_orders`); 0 = every order.  Pipelines of
+    up to 3 types see every order either way."""
     refine_margin: float = 0.10
     """Phase 3 (refinement with Lbs) runs for device groups whose phase-2 iteration time
     is within this fraction of the best found so far."""
@@ -125,9 +134,11 @@ class SearchOptions:
             raise SpecError(f"alpha must be >= 1, got {self.alpha}")
         if self.time_limit < 0:
             raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
-        if self.stage_groups_topk < 0 or self.polish_top < 0:
-            raise SpecError(f"stage_groups_topk and polish_top must be >= 0, got "
-                            f"{self.stage_groups_topk}, {self.polish_top}")
+        if self.stage_groups_topk < 0 or self.polish_top < 0 or self.type_orders < 0:
+            raise SpecError(f"stage_groups_topk, polish_top and type_orders must be >= 0, got "
+                            f"{self.stage_groups_topk}, {self.polish_top}, {self.type_orders}")
+        if self.max_blocks < 0:
+            raise SpecError(f"max_blocks must be >= 0, got {self.max_blocks}")
         for name in ("max_blocks_per_type", "max_stages", "balance_budget", "dp_window", "jobs"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")

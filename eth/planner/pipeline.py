@@ -21,6 +21,8 @@ evaluations (not seconds), so the search stays deterministic.
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -28,7 +30,7 @@ import numpy as np
 
 from eth.planner.balance import balance, initial_state
 from eth.planner.bounds import stage_group_floors
-from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, stage_groups
+from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, scale_groups, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState
 
 
@@ -121,8 +123,32 @@ def stage_ranks(ev: Evaluator, blocks: Blocks, g: StageGroup) -> tuple[tuple[int
     return hit
 
 
+def promising_orders(ev: Evaluator, blocks: Blocks, vec, batch: int, max_stages: int,
+                     keep: int) -> list[tuple] | None:
+    """None (every order) when ``keep`` is 0 or the pipeline ``vec``'s device types have
+    at most ``keep`` orders; else the ``keep`` type orders whose sampled stage groups
+    (:func:`eth.planner.enumerate.scale_groups`: one stage per type, then about twice as
+    many, ...) have the lowest floor (:func:`eth.planner.bounds.stage_group_floors`), in
+    the order of :func:`itertools.permutations`: which type holds the first stage (the
+    embedding and the most micro-batches in flight) and which the last decides memory
+    and recompute, and the samples see both at a cost linear in the orders."""
+    devices = {t: d for t, d in zip(blocks.types, blocks.devices(vec)) if d}
+    if not keep or math.factorial(len(devices)) <= keep:
+        return None
+    orders = list(itertools.permutations(devices))
+    samples = [(k, g) for k, order in enumerate(orders)
+               for g in scale_groups(order, devices, ev.model.num_layers, max_stages)]
+    floors = stage_group_floors(ev, [(g.stages, stage_ranks(ev, blocks, g)) for _, g in samples], batch)
+    best = [math.inf] * len(orders)
+    for (k, _), f in zip(samples, floors):
+        best[k] = min(best[k], f)
+    ranked = sorted(range(len(orders)), key=lambda k: (best[k], k))[:keep]
+    return [orders[k] for k in sorted(ranked)]
+
+
 def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
-                      topk: int, max_stages: int, stop=None, phases=None, prune: bool = True) -> PipelineResult | None:
+                      topk: int, max_stages: int, stop=None, phases=None, prune: bool = True,
+                      type_orders: int = 0) -> PipelineResult | None:
     """Phase 1 for the pipeline with block vector ``vec``; None if nothing can be built.
 
     ``stop()`` (optional; the search's time limit) is polled between stage groups and
@@ -137,14 +163,22 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     ``MAX_ALTERNATIVES`` groups) are completed when first read (:class:`_Groups`): the
     groups whose floor does not exceed the ninth best time are balanced then.  Both rank
     results as without pruning (by balanced key, then warm-start key, then group order),
-    so the result and its alternatives are the same."""
+    so the result and its alternatives are the same.
+
+    ``type_orders`` (> 0): a pipeline with more orders of its device types than this
+    gets the stage groups of the ``type_orders`` most promising orders only
+    (:func:`promising_orders`); 0 = every order."""
     halted = stop if stop is not None else (lambda: False)
     # stage groups and budgets depend on the devices only (phase 1 runs again for each
-    # Lbs the polish re-plans): kept on the evaluator
-    gkey = ("groups", blocks.types, blocks.devices(vec), max_stages, base_budget)
+    # Lbs the polish re-plans): kept on the evaluator; the choice of type orders reads
+    # the batch too
+    restrict = bool(type_orders) and math.factorial(sum(1 for d in vec if d)) > type_orders
+    gkey = ("groups", blocks.types, blocks.devices(vec), max_stages, base_budget) + \
+        ((type_orders, batch) if restrict else ())
     hit = ev.ranks_memo.get(gkey)
     if hit is None:
-        groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages)
+        orders = promising_orders(ev, blocks, vec, batch, max_stages, type_orders)
+        groups = stage_groups(blocks.types, blocks.devices(vec), ev.model.num_layers, max_stages, orders)
         hit = ev.ranks_memo[gkey] = (groups, adaptive_budgets(ev.cost.cluster, groups, base_budget) if groups else [])
     groups, budgets = hit
     if not groups:

@@ -103,7 +103,7 @@ class HPPSearch:
         self._allocs: dict = {}     # memo of _allocate_group (with ``memo``)
         self.variants: dict = {}    # memo of polish.variant_allocation (with ``memo``)
         self.floor_lines: dict = {}  # memo of polish.allocation_floor's pipeline lines
-        self.blocks = make_blocks(cluster, options.max_blocks_per_type)
+        self.blocks = make_blocks(cluster, options.max_blocks_per_type, options.max_blocks)
         self.facts = {t: (d.tflops, d.memory_gb) for t, d in cluster.types.items()}
         self.stats = SearchStats()
         self._cache: dict = {}
@@ -151,7 +151,8 @@ class HPPSearch:
         with self.phases("balance"):
             result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
                                        self.opt.stage_groups_topk, self.opt.max_stages, self.out_of_time,
-                                       self.phases, self.opt.prune and batch == self.opt.gbs)
+                                       self.phases, self.opt.prune and batch == self.opt.gbs,
+                                       self.opt.type_orders)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound

@@ -1,6 +1,6 @@
 import itertools
 
-from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks,
+from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks, scale_groups,
                                    stage_groups)
 
 from _planner_data import make_cluster
@@ -120,3 +120,34 @@ def test_assign_ranks_without_node_information_is_contiguous():
     b = make_blocks(c, 8)
     bare = Blocks(b.types, b.block, b.count, b.ranks)
     assert assign_ranks(bare, [[("A100", 1)], [("A100", 3)], [("A100", 2)]]) == [[[5]], [[0, 1, 2]], [[3, 4]]]
+
+
+def test_stage_groups_of_given_type_orders_and_their_scale_samples():
+    types, devices = ("A", "B", "C", "D"), (4, 2, 0, 8)
+    every = stage_groups(types, devices, num_layers=40, max_stages=16)
+    some = stage_groups(types, devices, 40, 16, orders=[("D", "A", "B"), ("B", "A", "D")])
+    assert {g.stages for g in some} == {g.stages for g in every
+                                        if [t for i, (t, _) in enumerate(g.stages)
+                                            if i == 0 or g.stages[i - 1][0] != t] in (["D", "A", "B"], ["B", "A", "D"])}
+    assert len(every) == 3 * len(some)             # 6 orders, each with the same size choices
+    samples = scale_groups(("D", "A", "B"), {"A": 4, "B": 2, "D": 8}, num_layers=40, max_stages=16)
+    # one stage per type, then about twice as many each time, down to single devices
+    assert [g.stages for g in samples] == [
+        (("D", 8), ("A", 4), ("B", 2)),
+        (("D", 4),) * 2 + (("A", 2),) * 2 + (("B", 1),) * 2,
+        (("D", 2),) * 4 + (("A", 1),) * 4 + (("B", 1),) * 2,
+        (("D", 1),) * 8 + (("A", 1),) * 4 + (("B", 1),) * 2]
+    assert all(g.stages in {e.stages for e in every} for g in samples)
+    assert len(scale_groups(("D", "A", "B"), {"A": 4, "B": 2, "D": 8}, num_layers=40, max_stages=5)) == 1
+
+
+def test_blocks_budget_over_types_leaves_two_types_alone():
+    four = make_cluster([{"type": t, "devices_per_node": 8, "count": 8} for t in ("H100", "A100", "V100", "RTX3090")])
+    assert make_blocks(four, 8).count == (8, 8, 8, 8)
+    assert make_blocks(four, 8, 16).count == (4, 4, 4, 4) and make_blocks(four, 8, 16).block == (16,) * 4
+    six = make_cluster([{"type": t, "devices_per_node": 8, "count": 4}
+                        for t in ("H100", "A100", "V100", "RTX3090", "L40S", "A100-40GB")])
+    assert make_blocks(six, 8, 16).count == (2,) * 6                  # max(2, 16 // 6)
+    two = make_cluster([{"type": "910B2", "devices_per_node": 8, "count": 64},
+                        {"type": "910B4", "devices_per_node": 8, "count": 64}])
+    assert make_blocks(two, 8, 16) == make_blocks(two, 8)
