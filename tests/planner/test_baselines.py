@@ -11,7 +11,7 @@ from eth.errors import InfeasibleError, PlanError, ProfileError, SpecError
 from eth.spec.model import LAYER_OPS, ModelSpec, get_model
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines import BASELINES, plan_baseline
-from eth.planner.baselines.common import RECOMPUTE_MODES, StageRecomputeEvaluator
+from eth.planner.baselines.common import RECOMPUTE_MODES, BaselineOptions, StageRecomputeEvaluator
 from eth.planner.bruteforce import compositions, lbs_vectors, pipeline_configs
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator, PipeState, StageState
@@ -337,3 +337,24 @@ def test_unknown_strategy_and_bad_gbs():
         plan_baseline("megatron", model, cluster, db, 8)
     with pytest.raises(SpecError, match="gbs"):
         plan_baseline("metis", model, cluster, db, 0)
+
+
+MANY_TYPES = {
+    "3 types": ([{"type": t, "devices_per_node": 4} for t in ("A100", "RTX3090", "V100")], get_model("gpt3-1.3b"), 64),
+    "4 types": ([{"type": t, "devices_per_node": 2} for t in ("H100", "A100", "RTX3090", "V100")],
+                get_model("gpt3-1.3b"), 32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MANY_TYPES))
+def test_strong_baselines_prune_by_floors_to_the_same_plan(name):
+    """metis-strong and hexiscale-strong leave the stage groups whose floor exceeds the best
+    plan found: the same plan as balancing every group, with fewer cost evaluations."""
+    nodes, model, gbs = MANY_TYPES[name]
+    cluster = make_cluster(nodes)
+    db = profiles_for(model, cluster)
+    for strategy in ("metis-strong", "hexiscale-strong"):
+        pruned, every = (plan_baseline(strategy, model, cluster, db, gbs, BaselineOptions(prune=p))
+                         for p in (True, False))
+        assert pruned.predicted["iteration_ms"] == every.predicted["iteration_ms"], strategy
+        assert pruned.search["cost_evaluations"] < every.search["cost_evaluations"], strategy

@@ -57,6 +57,13 @@ class BaselineOptions:
     balance_budget: int = 150
     """Cost evaluations of the HPP stage balancer per stage device group (metis,
     typesplit), scaled by the adaptive rule of section 6."""
+    type_orders: int = 6
+    """metis-strong / hexiscale-strong: a pipeline of more device types than have this
+    many orders gets the stage groups of that many most promising type orders only
+    (:func:`eth.planner.pipeline.promising_orders`, as the HPP search); 0 = every order."""
+    prune: bool = True
+    """metis-strong / hexiscale-strong: leave the stage groups whose floor exceeds the best
+    plan found (the same plan, fewer balanced groups; see their modules)."""
     max_micro: int = 64
     """uniform / hexiscale-strong: largest per-replica micro-batch (mbs / dp) tried (metis
     tries every power of two dividing gbs)."""

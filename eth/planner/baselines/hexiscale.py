@@ -66,10 +66,11 @@ def pipeline_counts(cluster, unit, need: float, gbs: int):
     return ks, fits, too_small
 
 
-def tp_stage_groups(unit, per, model, ev, options, clock):
-    """The stage device groups of one pipeline (``per`` devices of each type of ``unit``)
-    whose every stage is a valid tp degree (HexiScale's dp = 1), until the clock runs out."""
-    for g in stage_groups(unit.types, per, model.num_layers, options.max_stages):
+def tp_stage_groups(unit, per, model, ev, options, clock, orders=None):
+    """The stage device groups of one pipeline (``per`` devices of each type of ``unit``;
+    of the type ``orders`` only, if given) whose every stage is a valid tp degree
+    (HexiScale's dp = 1), until the clock runs out."""
+    for g in stage_groups(unit.types, per, model.num_layers, options.max_stages, orders):
         if clock.out():
             return
         if all(n in ev.valid_tps(t, n) for t, n in g.stages):

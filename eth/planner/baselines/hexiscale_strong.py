@@ -14,8 +14,9 @@ their layer counts only; the global batch is split evenly (Lbs = Gbs / k).
 
 Search (:func:`plan_hexiscale_strong`): for every k that divides every type count and Gbs,
 each pipeline gets count_t / k devices of each type; for every stage device group of
-that pipeline (:func:`eth.planner.enumerate.stage_groups`) whose stage sizes are valid
-tp degrees, :func:`balance_layers` minimises the pipeline's Eq. 5 end time
+that pipeline (:func:`eth.planner.enumerate.stage_groups`; with 4 or more device types
+those of the ``type_orders`` most promising type orders, as the HPP search) whose stage
+sizes are valid tp degrees, :func:`balance_layers` minimises the pipeline's Eq. 5 end time
 
     max_j Te^j = sum_k Tf^k + max_k T^k (Lbs/Mbs - 1) + max_j (sum_{k>=j} Tb^k + AR^j),
     AR^j = Eq. 6 over the k copies of stage j (N = k, the slowest link among them),
@@ -27,6 +28,11 @@ other stage, or double / halve Mbs.  Recompute: per stage the cheapest of none /
 selective / full that fits (``BaselineOptions.recompute = "stage"``, default), or the
 HPP op-level rule ("op").  Each result becomes the k-pipeline
 plan scored by :meth:`eth.cost.model.CostModel.evaluate`; the fastest feasible plan wins.
+With ``prune`` the stage groups of each k are balanced in ascending order of their floor
+(:func:`eth.planner.bounds.stage_group_floors` on the first pipeline's ranks: a lower bound
+of its Eq. 1 time over every layer split, tp, Mbs and recompute, so of the Eq. 5 time and
+the iteration time of any plan of the group), and the rest are left once a floor exceeds
+the best iteration time found: the same best plan.
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ from eth.planner.progress import Clock, progress_bar
 from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts, tp_stage_groups
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
+from eth.planner.bounds import stage_group_floors
+from eth.planner.pipeline import promising_orders
 
 
 def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int) -> tuple[tuple, Evaluation]:
@@ -123,10 +131,17 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
             lbs = gbs // k
             mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
-            for g in tp_stage_groups(unit, per, model, ev, options, clock):
-                tried += 1
+            orders = promising_orders(ev, blocks, (1,) * len(per), lbs, options.max_stages, options.type_orders)
+            groups = []
+            for g in tp_stage_groups(unit, per, model, ev, options, clock, orders):
                 ranks = assign_ranks(blocks, [list(g.stages)] * k)
-                rep = tuple(tuple(r) for r in ranks[0])
+                groups.append((g, ranks, tuple(tuple(r) for r in ranks[0])))
+            floors = (stage_group_floors(ev, [(g.stages, rep) for g, _, rep in groups], lbs) if options.prune
+                      else [0.0] * len(groups))
+            for floor, _, (g, ranks, rep) in sorted(zip(floors, range(len(groups)), groups)):
+                if floor > best.iteration_ms * (1 + 1e-9) or clock.out():
+                    break           # no plan of this or a later group can be faster
+                tried += 1
                 links = [cluster.link_gbps([r for p in ranks for r in p[j]]) for j in range(g.num_stages)]
                 stages = tuple(StageState(t, n, n, 1) for t, n in g.stages)
                 got = balance_layers(ev, stages, lbs, rep, links, k, mbs_options, clock)

@@ -14,7 +14,8 @@ HPP phase-1 problem for the pipeline that holds every device (Eq. 1 with B = Gbs
         sum_j T_j + max_j T_j (Gbs / Mbs - 1)      (+ the stages' own All-Reduce)
 
 so it reuses the HPP machinery restricted to that pipeline: every stage device group
-of the whole cluster (:func:`eth.planner.enumerate.stage_groups`), the warm start
+of the whole cluster (:func:`eth.planner.enumerate.stage_groups`; with 4 or more device
+types those of the ``type_orders`` most promising type orders, as the HPP search), the warm start
 (:func:`eth.planner.balance.initial_state`) and the Aceso-style stage balancer
 (:func:`eth.planner.balance.balance`: layer moves, tp <-> dp, mbs) with the adaptive
 budgets of section 6.  Recompute: by default per stage the cheapest of none / selective /
@@ -22,16 +23,21 @@ full that fits (``BaselineOptions.recompute = "stage"``, Megatron granularity; o
 stage-specific recompute is one of ETH's own contributions, section 4.2.3); "op" gives
 Metis the HPP rule.  Each balanced group becomes a plan scored by
 :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6); the fastest feasible one wins.
+With ``prune`` the groups are balanced in ascending order of their floor
+(:func:`eth.planner.bounds.stage_group_floors`, a lower bound of the pipeline's Eq. 1 time
+over every configuration, so of its iteration time) and the rest are left once a floor
+exceeds the best iteration time found: the same best plan.
 """
 from __future__ import annotations
 
 from eth.cost.model import CostModel
 from eth.spec.plan import Plan
 from eth.planner.balance import balance, initial_state
+from eth.planner.bounds import stage_group_floors
 from eth.planner.baselines.common import Best, BaselineOptions, finish, make_evaluator, pipeline_plan
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import assign_ranks, make_blocks, stage_groups
-from eth.planner.pipeline import adaptive_budgets
+from eth.planner.pipeline import adaptive_budgets, promising_orders
 
 
 def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
@@ -40,16 +46,20 @@ def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptio
     ev = make_evaluator(cost, options)
     blocks = make_blocks(cluster, options.max_blocks_per_type)
     vec = blocks.count
-    groups = stage_groups(blocks.types, blocks.devices(vec), model.num_layers, options.max_stages)
+    orders = promising_orders(ev, blocks, vec, gbs, options.max_stages, options.type_orders)
+    groups = stage_groups(blocks.types, blocks.devices(vec), model.num_layers, options.max_stages, orders)
     budgets = adaptive_budgets(cluster, groups, options.balance_budget) if groups else []
     best = Best()
     bar = progress_bar(len(groups), options.progress, "metis-strong")
+    ranks_of = [tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0]) for g in groups]
+    floors = (stage_group_floors(ev, [(g.stages, r) for g, r in zip(groups, ranks_of)], gbs) if options.prune
+              else [0.0] * len(groups))
     try:
-        for g, budget in zip(groups, budgets):
+        for floor, _, g, ranks, budget in sorted(zip(floors, range(len(groups)), groups, ranks_of, budgets),
+                                                 key=lambda x: x[:2]):
             bar.update(1)
-            if clock.out():
-                break
-            ranks = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+            if clock.out() or floor > best.iteration_ms * (1 + 1e-9):
+                break           # no plan of this or a later group can be faster
             init = initial_state(ev, g.stages, gbs, ranks)
             if init is None:
                 continue
