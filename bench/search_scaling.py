@@ -19,6 +19,15 @@ space) finishes are compared with it too.
 
     python bench/search_scaling.py            # full (un-optimised runs limited to 300 s)
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
+    python bench/search_scaling.py --many-types [--before REV]   # only the many-type rows
+
+Many device types (``--many-types``, also the last section of a full run): the clusters
+of :data:`MANY_TYPES` (3, 4 and 6 types, 96-4096 devices, 8 per node, analytic
+profiles), each searched in a child process with the default ``--jobs`` (the CPUs this
+process may use), which reports its wall time and peak RSS (the largest of the search
+process and its forked workers).  With ``--before REV`` each row is also searched by the
+planner of commit REV (a temporary ``git worktree``) in the same run, limited to
+``--before-limit`` seconds, and the row prints the ratios.
 """
 from __future__ import annotations
 
@@ -104,6 +113,87 @@ def brute(model, cluster, gbs):
     return time.process_time() - cpu, best
 
 
+MANY_TYPES = [
+    # label, {type: devices}, model, gbs, target search s, target peak GB
+    ("3 types, 96 dev, 13B", {"H100": 32, "A100-40GB": 32, "V100": 32}, "gpt3-13b", 1024, 2, None),
+    ("4 types, 256 dev, 175B", {"H100": 64, "A100": 64, "A100-40GB": 64, "RTX3090": 64}, "gpt3-175b", 2048, 5, 1.0),
+    ("4 types, 1024 dev, 175B", {"H100": 256, "A100": 256, "A100-40GB": 256, "RTX3090": 256}, "gpt3-175b", 2048,
+     10, None),
+    ("6 types, 4096 dev, 175B", {"H100": 1024, "A100": 1024, "A100-40GB": 512, "RTX3090": 512, "V100": 512,
+                                 "L40S": 512}, "gpt3-175b", 2048, 60, 2.0),
+]
+
+
+def many_types_child(index: int, limit: float) -> dict:
+    """One :data:`MANY_TYPES` search in this process (the planner on ``sys.path``)."""
+    import resource
+
+    from eth.errors import InfeasibleError
+    from eth.planner.options import SearchOptions
+    from eth.planner.search import search
+    from eth.profiles.db import ProfileDB
+    from eth.spec.cluster import Cluster
+    from eth.spec.model import get_model
+    _, types, name, gbs, _, _ = MANY_TYPES[index]
+    cluster = Cluster.from_dict({"name": f"{len(types)}-types", "inter_node_gbps": 200, "inter_type_gbps": 100,
+                                 "nodes": [{"type": t, "devices_per_node": 8, "count": n // 8}
+                                           for t, n in types.items()]})
+    model, db = get_model(name), ProfileDB()
+    db.ensure(model, cluster.types.values())
+    start = time.perf_counter()
+    try:
+        plan = search(model, cluster, db, SearchOptions(gbs=gbs, time_limit=limit,
+                                                        jobs=len(os.sched_getaffinity(0))))
+        ms, limited = plan.predicted["iteration_ms"], bool(plan.search.get("time_limited"))
+    except InfeasibleError:
+        ms, limited = float("nan"), True
+    wall = time.perf_counter() - start
+    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return {"time_s": wall, "iter_ms": ms, "limited": limited, "rss_gb": peak / 2**20}
+
+
+def many_types_run(index: int, root: Path, limit: float) -> dict:
+    """:func:`many_types_child` in a fresh process with the planner of checkout ``root``."""
+    import json
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(index), "--limit", str(limit),
+                          "--root", str(root)], capture_output=True, text=True, cwd=root)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"child {index} ({root}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def many_types(before: str | None, before_limit: float) -> None:
+    import tempfile
+    print(f"\n# many device types: search wall time and peak RSS per row (default --jobs), "
+          f"{'side by side with commit ' + before if before else 'this checkout only'}")
+    head = f"{'case':<26} {'search s':>9} {'peak GB':>8} {'iter ms':>11} {'target':>14}"
+    if before:
+        head += f" | {'before s':>9} {'peak GB':>8} {'iter ms':>11} {'speedup':>8} {'iter/before':>11}"
+    print(head)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = None
+        if before:
+            old = Path(tmp) / "before"
+            subprocess.run(["git", "worktree", "add", "--detach", str(old), before], cwd=ROOT, check=True,
+                           capture_output=True)
+        try:
+            for i, (label, _, _, _, want_s, want_gb) in enumerate(MANY_TYPES):
+                r = many_types_run(i, ROOT, 0.0)
+                target = f"<{want_s} s" + (f", <{want_gb} GB" if want_gb else "")
+                row = (f"{label:<26} {r['time_s']:>9.1f} {r['rss_gb']:>8.2f} {r['iter_ms']:>11.1f} {target:>14}")
+                if old is not None:
+                    b = many_types_run(i, old, before_limit)
+                    lim = " (limit)" if b["limited"] else ""
+                    row += (f" | {b['time_s']:>9.1f} {b['rss_gb']:>8.2f} {b['iter_ms']:>11.1f} "
+                            f"{b['time_s'] / r['time_s']:>7.1f}x{lim} {r['iter_ms'] / b['iter_ms']:>11.4f}")
+                print(row)
+                sys.stdout.flush()
+        finally:
+            if old is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+
+
 def context() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -138,7 +228,21 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter limits, fewer sizes")
     p.add_argument("--limit", type=float, help="time limit (s) of un-optimised runs")
     p.add_argument("--gbs", type=int, default=1024)
+    p.add_argument("--many-types", action="store_true", help="only the many-type rows")
+    p.add_argument("--before", metavar="REV", help="also search the many-type rows with the planner of commit REV")
+    p.add_argument("--before-limit", type=float, default=600.0, help="time limit (s) of the --before searches")
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child is not None:
+        import json
+        sys.path.insert(0, args.root)     # the planner of that checkout
+        print(json.dumps(many_types_child(args.child, args.limit or 0.0)))
+        return 0
+    if args.many_types:
+        print(context())
+        many_types(args.before, args.before_limit)
+        return 0
     limit = args.limit or (20.0 if args.quick else 300.0)
     none = dict(cache=False, skip=False, order=False, dp=False)
 
@@ -198,6 +302,7 @@ def main(argv=None) -> int:
         same = "" if ms == ms_off else f" (memo off: {ms_off:.3f} ms)"
         print(f"{label:<36} {t_on:>9.2f} {t_off:>10.2f} {t_bf:>9.2f} {t_bf / t_on:>7.1f}x "
               f"{ms:>10.3f} {bf:>10.3f} {ms / bf:>10.4f}{same}")
+    many_types(args.before, args.before_limit)
     return 0
 
 
