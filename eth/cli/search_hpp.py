@@ -46,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allow-overshoot", action="store_true",
                    help="accept sum(lbs) > gbs when no exact split exists")
     p.add_argument("--max-blocks-per-type", type=int, default=8)
+    p.add_argument("--max-blocks", type=int, default=16,
+                   help="with T device types, at most max(2, this // T) blocks per type too (0: off)")
+    p.add_argument("--type-orders", type=int, default=6,
+                   help="type orders of a pipeline's stages expanded where it has more (the most promising "
+                        "by their floors; 0: every order)")
     p.add_argument("--max-stages", type=int, default=16)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--jobs", type=int, default=usable_cpus(),
@@ -91,7 +96,8 @@ def _main(argv=None) -> int:
                             skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
                             seeds=not args.no_seeds,
                             alpha=args.alpha, time_limit=args.time_limit, seed=args.seed,
-                            max_blocks_per_type=args.max_blocks_per_type,
+                            max_blocks_per_type=args.max_blocks_per_type, max_blocks=args.max_blocks,
+                            type_orders=args.type_orders,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
                             progress=not args.no_progress, jobs=args.jobs,
                             setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))

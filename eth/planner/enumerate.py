@@ -54,6 +54,14 @@ class Blocks:
     """Node of each rank in ``ranks`` (same shape); empty = unknown (ranks are then laid
     out contiguously by :func:`assign_ranks`)."""
 
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.types, self.block, self.count, self.ranks, self.nodes))
+
+    def __hash__(self) -> int:
+        # memo keys hold the blocks; their rank tuples are hashed once, not per lookup
+        return self._hash
+
     @property
     def total(self) -> int:
         return sum(self.count)
@@ -314,6 +322,24 @@ def assign_ranks(blocks: Blocks, pipelines) -> list[list[list[int]]]:
                     raise ValueError(f"stages need more than the {len(type_ranks)} devices of type {t}")
             out[i][j] = got
     return out
+
+
+def pipeline_ranks(blocks: Blocks, stages, memo: dict) -> tuple[tuple[int, ...], ...]:
+    """``assign_ranks(blocks, [stages])[0]`` (one pipeline alone) as tuples, assembled type
+    by type: a type's stages take that type's ranks whatever the other types' stages are,
+    so each type's placement is memoised in ``memo`` by the sizes of its stages in order
+    (the stage groups of a pipeline share a few such placements)."""
+    sizes: dict = {}
+    for t, n in stages:
+        sizes.setdefault(t, []).append(n)
+    placed = {}
+    for t, ns in sizes.items():
+        key = (blocks, t, tuple(ns))
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = tuple(tuple(r) for r in assign_ranks(blocks, [[(t, n) for n in ns]])[0])
+        placed[t] = iter(hit)
+    return tuple(next(placed[t]) for t, _ in stages)
 
 
 def tp_groups_in_nodes(cluster: Cluster, ranks, tp: int) -> bool:

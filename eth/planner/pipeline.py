@@ -30,7 +30,7 @@ import numpy as np
 
 from eth.planner.balance import balance, initial_state
 from eth.planner.bounds import stage_group_floors
-from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, scale_groups, stage_groups
+from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, pipeline_ranks, scale_groups, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState
 
 
@@ -119,7 +119,7 @@ def stage_ranks(ev: Evaluator, blocks: Blocks, g: StageGroup) -> tuple[tuple[int
     key = (blocks, g.stages)
     hit = ev.ranks_memo.get(key)
     if hit is None:
-        hit = ev.ranks_memo[key] = tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0])
+        hit = ev.ranks_memo[key] = pipeline_ranks(blocks, g.stages, ev.ranks_memo)
     return hit
 
 

@@ -1,6 +1,6 @@
 import itertools
 
-from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks, scale_groups,
+from eth.planner.enumerate import (assign_ranks, count_groups, device_groups, make_blocks, pipeline_ranks, scale_groups,
                                    stage_groups)
 
 from _planner_data import make_cluster
@@ -151,3 +151,16 @@ def test_blocks_budget_over_types_leaves_two_types_alone():
     two = make_cluster([{"type": "910B2", "devices_per_node": 8, "count": 64},
                         {"type": "910B4", "devices_per_node": 8, "count": 64}])
     assert make_blocks(two, 8, 16) == make_blocks(two, 8)
+
+
+def test_pipeline_ranks_equal_assign_ranks_of_the_pipeline_alone():
+    c = make_cluster([{"type": "H100", "devices_per_node": 8, "count": 2},
+                      {"type": "A100", "devices_per_node": 4, "count": 3},
+                      {"type": "V100", "devices_per_node": 3, "count": 2}])
+    b, memo = make_blocks(c, 8), {}
+    for g in stage_groups(b.types, (16, 12, 6), num_layers=24, max_stages=12):
+        want = tuple(tuple(r) for r in assign_ranks(b, [list(g.stages)])[0])
+        assert pipeline_ranks(b, g.stages, memo) == want, g.stages
+    odd = (("A100", 3), ("H100", 8), ("A100", 2), ("A100", 4), ("V100", 1))   # unequal, interleaved
+    assert pipeline_ranks(b, odd, memo) == tuple(tuple(r) for r in assign_ranks(b, [list(odd)])[0])
+    assert hash(b) == hash(make_blocks(c, 8)) and b == make_blocks(c, 8)
