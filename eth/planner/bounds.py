@@ -125,11 +125,18 @@ def stage_group_floor(ev, stages, ranks, batch: int) -> float:
     return stage_group_floors(ev, [(stages, ranks)], batch)[0]
 
 
+FLOOR_CHUNK = 1 << 22
+"""Floats of one (group x Mbs, stage, layers) array of :func:`stage_group_floors` at most
+(32 MiB): thousands of stage groups of a pipeline of many types are done in chunks."""
+
+
 def stage_group_floors(ev, groups, batch: int) -> list[float]:
     """:func:`stage_group_floor` of each (stages, ranks) of ``groups``: the groups with the
-    same stage count are combined in one (groups, stages, Mbs, layers) array, so that phase
-    1's floors of a pipeline's stage groups take a few numpy calls per stage count instead
-    of a dozen per group (the values are the same: every Mbs column is reduced alone)."""
+    same stage count are combined in (group x Mbs, stage, layers) arrays of at most
+    ``FLOOR_CHUNK`` floats, so that phase 1's floors of a pipeline's stage groups take a
+    few numpy calls per stage count instead of a dozen per group (the values are the same:
+    every (group, Mbs) row is reduced alone).  Only the first L - S + 1 layer counts of a
+    stage are read (each of S stages holds at least one layer)."""
     L = ev.model.num_layers
     out = [math.inf] * len(groups)
     by_count: dict = {}
@@ -144,18 +151,24 @@ def stage_group_floors(ev, groups, batch: int) -> list[float]:
         else:
             by_count.setdefault(S, []).append((i, rows))
     fill = np.array([batch // m - 1 for m in _divisors(batch)], dtype=float)
-    for entries in by_count.values():
-        rows = np.array([r for _, r in entries])          # (group, stage, Mbs, layers)
-        G, S, M, W = rows.shape
-        flat = np.moveaxis(rows, 1, 2).reshape(G * M, S, W)   # one row per (group, Mbs)
-        flat = np.moveaxis(flat, 0, 1)                         # (stage, group x Mbs, layers)
-        fills = np.tile(fill, G)
-        # an Mbs where one layer does not fit on some stage is inf in both floors (rows
-        # are non-decreasing); 0 x inf of one micro-batch is dropped by the where
-        with np.errstate(invalid="ignore"):
-            total = (np.where(fills > 0, fills * split_floors(flat, L), 0.0) + sum_floors(flat, L)).reshape(G, M)
-        for (i, _), best in zip(entries, total.min(axis=1)):
-            out[i] = float(best)
+    M = len(fill)
+    for S, entries in by_count.items():
+        W = L - S + 1
+        step = max(1, FLOOR_CHUNK // (M * S * W))
+        for lo in range(0, len(entries), step):
+            part = entries[lo:lo + step]
+            flat = np.empty((len(part) * M, S, W))            # one row per (group, Mbs)
+            for g, (_, rows) in enumerate(part):
+                for j, row in enumerate(rows):
+                    flat[g * M:(g + 1) * M, j] = row[:, :W]
+            fills = np.tile(fill, len(part))
+            # an Mbs where one layer does not fit on some stage is inf in both floors (rows
+            # are non-decreasing); 0 x inf of one micro-batch is dropped by the where
+            with np.errstate(invalid="ignore"):
+                total = (np.where(fills > 0, fills * _split_floors(flat, L), 0.0)
+                         + _sum_floors(flat, L)).reshape(len(part), M)
+            for (i, _), best in zip(part, total.min(axis=1)):
+                out[i] = float(best)
     return out
 
 
@@ -171,10 +184,15 @@ def split_floor(rows, total: int) -> float:
 def split_floors(rows, total: int):
     """:func:`split_floor` of ``rows[:, k]`` for each k of a (stages, k, >= total -
     stages + 1) array, at once."""
-    S = rows.shape[0]
+    return _split_floors(np.moveaxis(np.asarray(rows), 0, 1), total)
+
+
+def _split_floors(rows, total: int):
+    """:func:`split_floors` of a (k, stages, >= total - stages + 1) array."""
+    K, S = rows.shape[:2]
     width = total - S + 1
-    first = rows[:, :, 0].max(axis=0)
-    values = np.moveaxis(rows[:, :, :width], 0, 1).reshape(rows.shape[1], S * width)
+    first = rows[:, :, 0].max(axis=1)
+    values = np.ascontiguousarray(rows[:, :, :width]).reshape(K, S * width)
     return np.maximum(first, np.partition(values, total - 1, axis=1)[:, total - 1])
 
 
@@ -185,15 +203,22 @@ def sum_floors(rows, total: int):
     smallest of all increments rows[j, k, n] - rows[j, k, n - 1] (n < total - stages + 1).
     A split's sum is its first values plus n_j - 1 increments of each row j, total -
     stages increments in all, each >= 0; exact when every row is convex."""
-    S = rows.shape[0]
+    return _sum_floors(np.moveaxis(np.asarray(rows), 0, 1), total)
+
+
+def _sum_floors(rows, total: int):
+    """:func:`sum_floors` of a (k, stages, >= total - stages + 1) array."""
+    K, S = rows.shape[:2]
     extra = total - S
-    head = rows[:, :, 0].sum(axis=0)
+    head = rows[:, 0, 0].copy()
+    for j in range(1, S):          # stage by stage, as a sum over the stage axis adds
+        head += rows[:, j, 0]
     if extra == 0:
         return head
     part = rows[:, :, :extra + 1]
     with np.errstate(invalid="ignore"):           # inf - inf: no split reaches it
         steps = np.where(np.isinf(part[:, :, 1:]), math.inf, np.diff(part, axis=2))
-    steps = np.moveaxis(steps, 0, 1).reshape(rows.shape[1], S * extra)
+    steps = steps.reshape(K, S * extra)
     return head + np.partition(steps, extra - 1, axis=1)[:, :extra].sum(axis=1)
 
 
@@ -204,10 +229,10 @@ def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
     reads (the stage's type, devices, first / last, stages after it, batch and its links
     for each valid tp); None when no tp's dp divides ``batch``."""
     cost = ev.cost
-    lkey = ("links", ranks, j)
+    nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
+    lkey = ("links", ranks[j], nxt, prv)    # (not the whole pipeline's ranks: thousands to hash)
     hit = ev._floors.get(lkey)
     if hit is None:   # the stage's valid tps and their links on these ranks
-        nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
         tps = ev.valid_tps(t, n, ranks[j])
         hit = ev._floors[lkey] = (tps, tuple(cost.stage_links(t, tp, ranks[j], nxt, prv) for tp in tps))
     tps, links = hit
