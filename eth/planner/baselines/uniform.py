@@ -9,8 +9,14 @@ Eq. 6 + memory, and the fastest feasible one is kept -- an exhaustive search):
   profiled), dp = s / tp -- the same for every stage;
 * layers: L split evenly, the remainder (L mod pp) one extra layer each to the first
   stages (Megatron's split);
-* type order: the stages of each type are contiguous; every order of the types is
-  tried (1F1B memory differs between first and last stages);
+* type order: the stages of each type are contiguous; every order of up to
+  ``EVERY_ORDER_UP_TO`` (4) types is tried (1F1B memory differs between first and last
+  stages); with more types (120 orders for five, 720 for six, each a full sweep of the
+  rest) a descent over orders (:func:`plan_uniform`): from the orders a user would lay
+  the ranks out in (:func:`rank_orders`: the cluster's order, and the types by device
+  memory and by speed, each ascending and descending), the orders with two types
+  swapped are swept, first those of every start, then those of the best order found,
+  while that finds a faster one;
 * mbs = dp x m for per-replica micro-batches m = 1, 2, 4, .. <= max_micro, mbs | gbs;
 * recompute, the same for every stage and layer, the cheapest of
   none < selective (core attention: score, softmax, attn-dropout, context) < full
@@ -45,6 +51,33 @@ def uniform_tps(model, cluster, profiles, size: int) -> list[int]:
     return out
 
 
+EVERY_ORDER_UP_TO = 4
+"""Clusters of at most this many device types: uniform sweeps every type order."""
+
+
+def rank_orders(cluster) -> list[tuple[str, ...]]:
+    """The starting type orders of uniform's descent: the cluster's order and the types
+    sorted by memory and by TFLOP/s, ascending and descending (ties in the cluster's
+    order), each once."""
+    types = list(cluster.type_counts())
+    specs = cluster.types
+    orders = [tuple(types)]
+    for key in (lambda t: specs[t].memory_gb, lambda t: specs[t].tflops):
+        up = tuple(sorted(types, key=key))
+        orders += [up, tuple(sorted(types, key=key, reverse=True))]
+    return list(dict.fromkeys(orders))
+
+
+def _swaps(order: tuple) -> list[tuple]:
+    """The orders with two types of ``order`` exchanged."""
+    out = []
+    for a, b in itertools.combinations(range(len(order)), 2):
+        o = list(order)
+        o[a], o[b] = o[b], o[a]
+        out.append(tuple(o))
+    return out
+
+
 def uniform_plan(model, cluster, order, size: int, tp: int, mbs: int, gbs: int, ops) -> Plan:
     """The uniform plan for one point of the space (see module docstring)."""
     ranks = type_ranks(cluster)
@@ -68,23 +101,47 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
     g = math.gcd(*counts.values())
     N = cluster.world_size
     sizes = [s for s in divisors(g) if N // s <= model.num_layers]
-    orders = list(itertools.permutations(list(counts)))
-    bar = progress_bar(len(sizes), options.progress, "uniform")
-    try:
+    tps = {size: uniform_tps(model, cluster, profiles, size) for size in sizes}
+
+    def sweep(order) -> float:
+        """Every plan of one type order (offered to ``best``); its fastest time."""
+        fastest = math.inf
         for size in sizes:
-            bar.update(1)
-            for tp, order in itertools.product(uniform_tps(model, cluster, profiles, size), orders):
+            for tp in tps[size]:
                 dp = size // tp
                 for m in powers_of_two(options.max_micro):
                     if clock.out():
-                        break
+                        return fastest
                     mbs = dp * m
                     if gbs % mbs:
                         continue
                     for _, ops in recompute_modes(model):
-                        plan = uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops)
-                        if best.offer(cost, plan) < math.inf:
+                        ms = best.offer(cost, uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops))
+                        fastest = min(fastest, ms)
+                        if ms < math.inf:
                             break   # more recompute only adds time
+        return fastest
+
+    types = list(counts)
+    every = len(types) <= EVERY_ORDER_UP_TO
+    starts = list(itertools.permutations(types)) if every else rank_orders(cluster)
+    bar = progress_bar(len(starts), options.progress, "uniform")
+    try:
+        swept = {}
+        for order in starts:
+            bar.update(1)
+            swept[order] = sweep(order)
+        here = list(starts)                   # first the neighbours of every start
+        while not every and here and not clock.out():   # descent: swap two types
+            before = min(swept.values())
+            near = [o for order in here for o in _swaps(order) if o not in swept]
+            for order in dict.fromkeys(near):
+                if clock.out():
+                    break
+                swept[order] = sweep(order)
+            if not near or min(swept.values()) >= before:
+                break
+            here = [min(swept, key=swept.get)]
     finally:
         bar.close()
     why = (f"no stage size dividing the type counts {counts} with at most {model.num_layers} "
