@@ -19,7 +19,7 @@ space) finishes are compared with it too.
 
     python bench/search_scaling.py            # full (un-optimised runs limited to 300 s)
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
-    python bench/search_scaling.py --many-types [--before REV]   # only the many-type rows
+    python bench/search_scaling.py --many-types [--before REV] [--rows 0,1] [--many-limit S]
 
 Many device types (``--many-types``, also the last section of a full run): the clusters
 of :data:`MANY_TYPES` (3, 4 and 6 types, 96-4096 devices, 8 per node, analytic
@@ -163,7 +163,7 @@ def many_types_run(index: int, root: Path, limit: float) -> dict:
     return json.loads(lines[-1])
 
 
-def many_types(before: str | None, before_limit: float) -> None:
+def many_types(before: str | None, before_limit: float, rows=None, limit: float = 0.0) -> None:
     import tempfile
     print(f"\n# many device types: search wall time and peak RSS per row (default --jobs), "
           f"{'side by side with commit ' + before if before else 'this checkout only'}")
@@ -179,9 +179,12 @@ def many_types(before: str | None, before_limit: float) -> None:
                            capture_output=True)
         try:
             for i, (label, _, _, _, want_s, want_gb) in enumerate(MANY_TYPES):
-                r = many_types_run(i, ROOT, 0.0)
+                if rows is not None and i not in rows:
+                    continue
+                r = many_types_run(i, ROOT, limit)
                 target = f"<{want_s} s" + (f", <{want_gb} GB" if want_gb else "")
-                row = (f"{label:<26} {r['time_s']:>9.1f} {r['rss_gb']:>8.2f} {r['iter_ms']:>11.1f} {target:>14}")
+                row = (f"{label:<26} {r['time_s']:>9.1f}{' (limit)' if r['limited'] else ''} {r['rss_gb']:>8.2f} "
+                       f"{r['iter_ms']:>11.1f} {target:>14}")
                 if old is not None:
                     b = many_types_run(i, old, before_limit)
                     lim = " (limit)" if b["limited"] else ""
@@ -231,6 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--many-types", action="store_true", help="only the many-type rows")
     p.add_argument("--before", metavar="REV", help="also search the many-type rows with the planner of commit REV")
     p.add_argument("--before-limit", type=float, default=600.0, help="time limit (s) of the --before searches")
+    p.add_argument("--rows", help="many-type rows to run, e.g. 0,1 (default: all)")
+    p.add_argument("--many-limit", type=float, default=0.0,
+                   help="time limit (s) of this checkout's many-type searches (default: none)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -239,9 +245,10 @@ def main(argv=None) -> int:
         sys.path.insert(0, args.root)     # the planner of that checkout
         print(json.dumps(many_types_child(args.child, args.limit or 0.0)))
         return 0
+    rows = None if not args.rows else {int(x) for x in args.rows.split(",")}
     if args.many_types:
         print(context())
-        many_types(args.before, args.before_limit)
+        many_types(args.before, args.before_limit, rows, args.many_limit)
         return 0
     limit = args.limit or (20.0 if args.quick else 300.0)
     none = dict(cache=False, skip=False, order=False, dp=False)
@@ -302,7 +309,7 @@ def main(argv=None) -> int:
         same = "" if ms == ms_off else f" (memo off: {ms_off:.3f} ms)"
         print(f"{label:<36} {t_on:>9.2f} {t_off:>10.2f} {t_bf:>9.2f} {t_bf / t_on:>7.1f}x "
               f"{ms:>10.3f} {bf:>10.3f} {ms / bf:>10.4f}{same}")
-    many_types(args.before, args.before_limit)
+    many_types(args.before, args.before_limit, rows, args.many_limit)
     return 0
 
 
