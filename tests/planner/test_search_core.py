@@ -193,13 +193,14 @@ def suite():
         yield name, model, cluster, gbs
 
 
-def case_row(case) -> dict:
-    """One suite case's two optima and every search's iteration ms (inf: no plan)."""
+def case_row(case, searches=None) -> dict:
+    """One suite case's two optima and every search's (``searches``, default
+    :data:`SEARCHES`) iteration ms (inf: no plan)."""
     name, model, cluster, gbs = case
     db = profiles_for(model, cluster)
     cost = CostModel(model, cluster, db)
     row = {"name": name, **optimum(model, cluster, db, gbs)}
-    for label, opts in SEARCHES.items():
+    for label, opts in (searches or SEARCHES).items():
         try:
             row[label] = cost.evaluate(search(model, cluster, db, SearchOptions(gbs=gbs, **opts)))["iteration_ms"]
         except InfeasibleError:
@@ -289,22 +290,13 @@ def four_type_suite():
         yield f"#{i} 2x{extra} {model.name} gbs {gbs}{' (memory cut)' if memory else ''}", model, cluster, gbs
 
 
-def four_type_row(case) -> dict:
-    name, model, cluster, gbs = case
-    db = profiles_for(model, cluster)
-    cost = CostModel(model, cluster, db)
-    row = {"name": name, "planner": optimum(model, cluster, db, gbs)["planner"]}
-    for label, opts in {"search()": {}, "every order": dict(type_orders=0)}.items():
-        try:
-            row[label] = cost.evaluate(search(model, cluster, db, SearchOptions(gbs=gbs, **opts)))["iteration_ms"]
-        except InfeasibleError:
-            row[label] = float("inf")
-    return row
+FOUR_TYPE_SEARCHES = {"search()": {}, "every order": dict(type_orders=0)}
 
 
 @functools.lru_cache(maxsize=None)
 def four_type_results():
-    return parallel_map(four_type_row, list(four_type_suite()), len(os.sched_getaffinity(0)))
+    row = functools.partial(case_row, searches=FOUR_TYPE_SEARCHES)
+    return parallel_map(row, list(four_type_suite()), len(os.sched_getaffinity(0)))
 
 
 @pytest.mark.slow
