@@ -134,11 +134,12 @@ class SearchOptions:
             raise SpecError(f"alpha must be >= 1, got {self.alpha}")
         if self.time_limit < 0:
             raise SpecError(f"time_limit must be >= 0, got {self.time_limit}")
-        if self.stage_groups_topk < 0 or self.polish_top < 0 or self.type_orders < 0:
-            raise SpecError(f"stage_groups_topk, polish_top and type_orders must be >= 0, got "
-                            f"{self.stage_groups_topk}, {self.polish_top}, {self.type_orders}")
-        if self.max_blocks < 0:
-            raise SpecError(f"max_blocks must be >= 0, got {self.max_blocks}")
+        if self.stage_groups_topk < 0 or self.polish_top < 0:
+            raise SpecError(f"stage_groups_topk and polish_top must be >= 0, got "
+                            f"{self.stage_groups_topk}, {self.polish_top}")
+        for name in ("type_orders", "max_blocks"):
+            if getattr(self, name) < 0:
+                raise SpecError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         for name in ("max_blocks_per_type", "max_stages", "balance_budget", "dp_window", "jobs"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -241,6 +241,15 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--jobs", "2",
                      "--no-progress"]) == 0
     assert "s (jobs 2): " in capsys.readouterr().out
+    for flag, field in (("--type-orders", "type_orders"), ("--max-blocks", "max_blocks")):
+        assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", flag, "-1",
+                         "--no-progress"]) == 2
+        assert capsys.readouterr().err == f"error: {field} must be >= 0 (0: off), got -1\n"
+    out = tmp_path / "plan.json"
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--type-orders", "0",
+                     "--max-blocks", "0", "--no-progress", "-o", str(out)]) == 0
+    assert {k: load_plan(out).search["options"][k] for k in ("type_orders", "max_blocks")} == \
+        {"type_orders": 0, "max_blocks": 0}
 
 
 @pytest.mark.parametrize("nodes, gbs", [(A2R2, 4), (A2R2, 16), ([{"type": "A100", "devices_per_node": 2, "count": 2},
