@@ -19,7 +19,7 @@ space) finishes are compared with it too.
 
     python bench/search_scaling.py            # full (un-optimised runs limited to 300 s)
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
-    python bench/search_scaling.py --many-types [--before REV] [--rows 0,1] [--many-limit S]
+    python bench/search_scaling.py --many-types [--before REV] [--rows 0,1] [--many-limit S] [--max-blocks N]
 
 Many device types (``--many-types``, also the last section of a full run): the clusters
 of :data:`MANY_TYPES` (3, 4 and 6 types, 96-4096 devices, 8 per node, analytic
@@ -124,7 +124,7 @@ MANY_TYPES = [
 ]
 
 
-def many_types_child(index: int, limit: float) -> dict:
+def many_types_child(index: int, limit: float, max_blocks: int | None = None) -> dict:
     """One :data:`MANY_TYPES` search in this process (the planner on ``sys.path``)."""
     import resource
 
@@ -142,8 +142,9 @@ def many_types_child(index: int, limit: float) -> dict:
     db.ensure(model, cluster.types.values())
     start = time.perf_counter()
     try:
+        extra = {} if max_blocks is None else {"max_blocks": max_blocks}
         plan = search(model, cluster, db, SearchOptions(gbs=gbs, time_limit=limit,
-                                                        jobs=len(os.sched_getaffinity(0))))
+                                                        jobs=len(os.sched_getaffinity(0)), **extra))
         ms, limited = plan.predicted["iteration_ms"], bool(plan.search.get("time_limited"))
     except InfeasibleError:
         ms, limited = float("nan"), True
@@ -152,18 +153,20 @@ def many_types_child(index: int, limit: float) -> dict:
     return {"time_s": wall, "iter_ms": ms, "limited": limited, "rss_gb": peak / 2**20}
 
 
-def many_types_run(index: int, root: Path, limit: float) -> dict:
+def many_types_run(index: int, root: Path, limit: float, max_blocks: int | None = None) -> dict:
     """:func:`many_types_child` in a fresh process with the planner of checkout ``root``."""
     import json
+    extra = [] if max_blocks is None else ["--max-blocks", str(max_blocks)]
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(index), "--limit", str(limit),
-                          "--root", str(root)], capture_output=True, text=True, cwd=root)
+                          "--root", str(root), *extra], capture_output=True, text=True, cwd=root)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
         raise RuntimeError(f"child {index} ({root}) failed:\n{out.stderr[-2000:]}")
     return json.loads(lines[-1])
 
 
-def many_types(before: str | None, before_limit: float, rows=None, limit: float = 0.0) -> None:
+def many_types(before: str | None, before_limit: float, rows=None, limit: float = 0.0,
+               max_blocks: int | None = None) -> None:
     import tempfile
     print(f"\n# many device types: search wall time and peak RSS per row (default --jobs), "
           f"{'side by side with commit ' + before if before else 'this checkout only'}")
@@ -181,7 +184,7 @@ def many_types(before: str | None, before_limit: float, rows=None, limit: float 
             for i, (label, _, _, _, want_s, want_gb) in enumerate(MANY_TYPES):
                 if rows is not None and i not in rows:
                     continue
-                r = many_types_run(i, ROOT, limit)
+                r = many_types_run(i, ROOT, limit, max_blocks)
                 target = f"<{want_s} s" + (f", <{want_gb} GB" if want_gb else "")
                 row = (f"{label:<26} {r['time_s']:>9.1f}{' (limit)' if r['limited'] else ''} {r['rss_gb']:>8.2f} "
                        f"{r['iter_ms']:>11.1f} {target:>14}")
@@ -237,18 +240,20 @@ def main(argv=None) -> int:
     p.add_argument("--rows", help="many-type rows to run, e.g. 0,1 (default: all)")
     p.add_argument("--many-limit", type=float, default=0.0,
                    help="time limit (s) of this checkout's many-type searches (default: none)")
+    p.add_argument("--max-blocks", type=int, help="SearchOptions.max_blocks of this checkout's many-type searches "
+                                                  "(default: the planner's)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
         import json
         sys.path.insert(0, args.root)     # the planner of that checkout
-        print(json.dumps(many_types_child(args.child, args.limit or 0.0)))
+        print(json.dumps(many_types_child(args.child, args.limit or 0.0, args.max_blocks)))
         return 0
     rows = None if not args.rows else {int(x) for x in args.rows.split(",")}
     if args.many_types:
         print(context())
-        many_types(args.before, args.before_limit, rows, args.many_limit)
+        many_types(args.before, args.before_limit, rows, args.many_limit, args.max_blocks)
         return 0
     limit = args.limit or (20.0 if args.quick else 300.0)
     none = dict(cache=False, skip=False, order=False, dp=False)
@@ -309,7 +314,7 @@ def main(argv=None) -> int:
         same = "" if ms == ms_off else f" (memo off: {ms_off:.3f} ms)"
         print(f"{label:<36} {t_on:>9.2f} {t_off:>10.2f} {t_bf:>9.2f} {t_bf / t_on:>7.1f}x "
               f"{ms:>10.3f} {bf:>10.3f} {ms / bf:>10.4f}{same}")
-    many_types(args.before, args.before_limit, rows, args.many_limit)
+    many_types(args.before, args.before_limit, rows, args.many_limit, args.max_blocks)
     return 0
 
 

@@ -123,6 +123,12 @@ def stage_ranks(ev: Evaluator, blocks: Blocks, g: StageGroup) -> tuple[tuple[int
     return hit
 
 
+def _restricts(types: int, keep: int) -> bool:
+    """Whether a pipeline of ``types`` device types has more type orders than ``keep``
+    (> 0): :func:`promising_orders` then chooses some."""
+    return bool(keep) and math.factorial(types) > keep
+
+
 def promising_orders(ev: Evaluator, blocks: Blocks, vec, batch: int, max_stages: int,
                      keep: int) -> list[tuple] | None:
     """None (every order) when ``keep`` is 0 or the pipeline ``vec``'s device types have
@@ -133,7 +139,7 @@ def promising_orders(ev: Evaluator, blocks: Blocks, vec, batch: int, max_stages:
     embedding and the most micro-batches in flight) and which the last decides memory
     and recompute, and the samples see both at a cost linear in the orders."""
     devices = {t: d for t, d in zip(blocks.types, blocks.devices(vec)) if d}
-    if not keep or math.factorial(len(devices)) <= keep:
+    if not _restricts(len(devices), keep):
         return None
     orders = list(itertools.permutations(devices))
     samples = [(k, g) for k, order in enumerate(orders)
@@ -172,7 +178,7 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     # stage groups and budgets depend on the devices only (phase 1 runs again for each
     # Lbs the polish re-plans): kept on the evaluator; the choice of type orders reads
     # the batch too
-    restrict = bool(type_orders) and math.factorial(sum(1 for d in vec if d)) > type_orders
+    restrict = _restricts(sum(1 for d in vec if d), type_orders)
     gkey = ("groups", blocks.types, blocks.devices(vec), max_stages, base_budget) + \
         ((type_orders, batch) if restrict else ())
     hit = ev.ranks_memo.get(gkey)

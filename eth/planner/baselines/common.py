@@ -15,6 +15,7 @@ from eth.errors import InfeasibleError, SpecError
 from eth.spec.model import LAYER_OPS, UNFUSED_ATTENTION_OPS, layer_ops
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.spec.precision import TrainSetup
+from eth.planner.bounds import stage_group_floors
 from eth.planner.evaluate import Evaluator, PipeState, StageState
 from eth.planner.progress import Clock
 
@@ -151,6 +152,17 @@ class Best:
         if out["iteration_ms"] < self.iteration_ms * (1 - 1e-12):
             self.plan, self.iteration_ms = plan, out["iteration_ms"]
         return out["iteration_ms"]
+
+
+def floor_order(ev: Evaluator, items, stage_ranks, batch: int, prune: bool):
+    """``items`` (one per stage group; ``stage_ranks[i]`` = (stages, ranks) of item i) as
+    (floor, item) in ascending order of :func:`eth.planner.bounds.stage_group_floors`
+    (ties in the given order); with ``prune`` off every floor is 0 (the given order).  A
+    caller stops at the first floor above its best iteration time: no later group can
+    give a faster plan."""
+    floors = stage_group_floors(ev, stage_ranks, batch) if prune else [0.0] * len(items)
+    order = sorted(range(len(items)), key=lambda i: (floors[i], i))
+    return [(floors[i], items[i]) for i in order]
 
 
 def type_ranks(cluster) -> dict[str, list[int]]:

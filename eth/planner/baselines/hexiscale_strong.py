@@ -43,12 +43,12 @@ from eth.cost.equations import eq5_end_times, eq6_allreduce_ms
 from eth.cost.model import CostModel
 from eth.spec.plan import Plan
 from eth.planner.balance import resplit
-from eth.planner.baselines.common import Best, BaselineOptions, finish, make_evaluator, pipeline_plan, powers_of_two
+from eth.planner.baselines.common import (Best, BaselineOptions, finish, floor_order, make_evaluator, pipeline_plan,
+                                          powers_of_two)
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts, tp_stage_groups
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
-from eth.planner.bounds import stage_group_floors
 from eth.planner.pipeline import promising_orders
 
 
@@ -136,9 +136,8 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
             for g in tp_stage_groups(unit, per, model, ev, options, clock, orders):
                 ranks = assign_ranks(blocks, [list(g.stages)] * k)
                 groups.append((g, ranks, tuple(tuple(r) for r in ranks[0])))
-            floors = (stage_group_floors(ev, [(g.stages, rep) for g, _, rep in groups], lbs) if options.prune
-                      else [0.0] * len(groups))
-            for floor, _, (g, ranks, rep) in sorted(zip(floors, range(len(groups)), groups)):
+            for floor, (g, ranks, rep) in floor_order(ev, groups, [(g.stages, rep) for g, _, rep in groups], lbs,
+                                                      options.prune):
                 if floor > best.iteration_ms * (1 + 1e-9) or clock.out():
                     break           # no plan of this or a later group can be faster
                 tried += 1

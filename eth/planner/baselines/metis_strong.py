@@ -33,11 +33,10 @@ from __future__ import annotations
 from eth.cost.model import CostModel
 from eth.spec.plan import Plan
 from eth.planner.balance import balance, initial_state
-from eth.planner.bounds import stage_group_floors
-from eth.planner.baselines.common import Best, BaselineOptions, finish, make_evaluator, pipeline_plan
+from eth.planner.baselines.common import Best, BaselineOptions, finish, floor_order, make_evaluator, pipeline_plan
 from eth.planner.progress import Clock, progress_bar
-from eth.planner.enumerate import assign_ranks, make_blocks, stage_groups
-from eth.planner.pipeline import adaptive_budgets, promising_orders
+from eth.planner.enumerate import make_blocks, stage_groups
+from eth.planner.pipeline import adaptive_budgets, promising_orders, stage_ranks
 
 
 def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
@@ -51,12 +50,11 @@ def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptio
     budgets = adaptive_budgets(cluster, groups, options.balance_budget) if groups else []
     best = Best()
     bar = progress_bar(len(groups), options.progress, "metis-strong")
-    ranks_of = [tuple(tuple(r) for r in assign_ranks(blocks, [list(g.stages)])[0]) for g in groups]
-    floors = (stage_group_floors(ev, [(g.stages, r) for g, r in zip(groups, ranks_of)], gbs) if options.prune
-              else [0.0] * len(groups))
+    ranks_of = [stage_ranks(ev, blocks, g) for g in groups]
     try:
-        for floor, _, g, ranks, budget in sorted(zip(floors, range(len(groups)), groups, ranks_of, budgets),
-                                                 key=lambda x: x[:2]):
+        for floor, (g, ranks, budget) in floor_order(ev, list(zip(groups, ranks_of, budgets)),
+                                                     [(g.stages, r) for g, r in zip(groups, ranks_of)], gbs,
+                                                     options.prune):
             bar.update(1)
             if clock.out() or floor > best.iteration_ms * (1 + 1e-9):
                 break           # no plan of this or a later group can be faster
