@@ -30,10 +30,36 @@ class Clock:
 
 
 def progress_bar(total: int | None, enabled: bool, desc: str | None = None, unit: str = "it"):
-    """A tqdm bar on stderr (a no-op object when ``enabled`` is false)."""
+    """Progress on stderr: a tqdm bar when stderr is a terminal; when it is a file or a
+    pipe (a log), one :class:`LogLine` at the end instead of carriage-return redraws;
+    nothing when ``enabled`` is false."""
+    if enabled and not sys.stderr.isatty():
+        return LogLine(total, desc, unit)
     from tqdm import tqdm
     return tqdm(total=total, disable=not enabled, file=sys.stderr, desc=desc, unit=unit, leave=False,
                 dynamic_ncols=True)
+
+
+class LogLine:
+    """The part of tqdm's interface the planners use (``total``, ``n``, ``update``,
+    ``refresh``, ``close``); ``close`` writes one line, e.g. ``metis: 12/12 layout in 3.4 s``."""
+
+    def __init__(self, total: int | None, desc: str | None, unit: str):
+        self.total, self.n, self.desc, self.unit = total, 0, desc or "search", unit
+        self.start, self.closed = time.perf_counter(), False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            done = f"{self.n}/{self.total}" if self.total else str(self.n)
+            print(f"{self.desc}: {done} {self.unit} in {time.perf_counter() - self.start:.1f} s",
+                  file=sys.stderr, flush=True)
 
 
 class PhaseTimer:

@@ -334,7 +334,7 @@ class HPPSearch:
         limit = opt.dp_group_limit if opt.dp else None
         if not self.can_hold(total):
             raise InfeasibleError(self._infeasible_message())
-        bar = progress_bar(0, opt.progress, unit="group")
+        bar = progress_bar(0, opt.progress, "hpp", unit="group")
         root = self.phases("enumeration")
         root.__enter__()
         try:

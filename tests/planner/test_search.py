@@ -1,5 +1,6 @@
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,6 +251,14 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
                      "--max-blocks", "0", "--no-progress", "-o", str(out)]) == 0
     assert {k: load_plan(out).search["options"][k] for k in ("type_orders", "max_blocks")} == \
         {"type_orders": 0, "max_blocks": 0}
+    # progress into a log (stderr not a terminal: pytest captures it): one line per bar, no redraws
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--strategy", "metis-strong"]) == 0
+    assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if " in " in line and line.endswith(" s")]
+    assert [line.split(":")[0] for line in lines] == ["metis-strong", "hpp"], err
+    assert re.fullmatch(r"hpp: \d+/\d+ group in \d+\.\d s", lines[1]), lines
 
 
 @pytest.mark.parametrize("nodes, gbs", [(A2R2, 4), (A2R2, 16), ([{"type": "A100", "devices_per_node": 2, "count": 2},
