@@ -22,8 +22,8 @@ space) finishes are compared with it too.
     python bench/search_scaling.py --many-types [--before REV] [--rows 0,1] [--many-limit S] [--max-blocks N]
 
 Many device types (``--many-types``, also the last section of a full run): the clusters
-of :data:`MANY_TYPES` (3, 4 and 6 types, 96-4096 devices, 8 per node, analytic
-profiles), each searched in a child process with the default ``--jobs`` (the CPUs this
+of :data:`MANY_TYPES` (examples/clusters/mixed3-96, mixed4-256, mixed4-1024 and
+mixed6-4096.yaml: 3, 4 and 6 types, 96-4096 devices, 8 per node, analytic profiles), each searched in a child process with the default ``--jobs`` (the CPUs this
 process may use), which reports its wall time and peak RSS (the largest of the search
 process and its forked workers).  With ``--before REV`` each row is also searched by the
 planner of commit REV (a temporary ``git worktree``) in the same run, limited to
@@ -114,13 +114,11 @@ def brute(model, cluster, gbs):
 
 
 MANY_TYPES = [
-    # label, {type: devices}, model, gbs, target search s, target peak GB
-    ("3 types, 96 dev, 13B", {"H100": 32, "A100-40GB": 32, "V100": 32}, "gpt3-13b", 1024, 2, None),
-    ("4 types, 256 dev, 175B", {"H100": 64, "A100": 64, "A100-40GB": 64, "RTX3090": 64}, "gpt3-175b", 2048, 5, 1.0),
-    ("4 types, 1024 dev, 175B", {"H100": 256, "A100": 256, "A100-40GB": 256, "RTX3090": 256}, "gpt3-175b", 2048,
-     10, None),
-    ("6 types, 4096 dev, 175B", {"H100": 1024, "A100": 1024, "A100-40GB": 512, "RTX3090": 512, "V100": 512,
-                                 "L40S": 512}, "gpt3-175b", 2048, 60, 2.0),
+    # label, examples/clusters/<name>.yaml, model, gbs, target search s, target peak GB
+    ("3 types, 96 dev, 13B", "mixed3-96", "gpt3-13b", 1024, 2, None),
+    ("4 types, 256 dev, 175B", "mixed4-256", "gpt3-175b", 2048, 5, 1.0),
+    ("4 types, 1024 dev, 175B", "mixed4-1024", "gpt3-175b", 2048, 10, None),
+    ("6 types, 4096 dev, 175B", "mixed6-4096", "gpt3-175b", 2048, 60, 2.0),
 ]
 
 
@@ -132,12 +130,10 @@ def many_types_child(index: int, limit: float, max_blocks: int | None = None) ->
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
     from eth.profiles.db import ProfileDB
-    from eth.spec.cluster import Cluster
+    from eth.spec.cluster import load_cluster
     from eth.spec.model import get_model
-    _, types, name, gbs, _, _ = MANY_TYPES[index]
-    cluster = Cluster.from_dict({"name": f"{len(types)}-types", "inter_node_gbps": 200, "inter_type_gbps": 100,
-                                 "nodes": [{"type": t, "devices_per_node": 8, "count": n // 8}
-                                           for t, n in types.items()]})
+    _, mix, name, gbs, _, _ = MANY_TYPES[index]
+    cluster = load_cluster(ROOT / "examples" / "clusters" / f"{mix}.yaml")
     model, db = get_model(name), ProfileDB()
     db.ensure(model, cluster.types.values())
     start = time.perf_counter()
