@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from eth.spec.cluster import Cluster
 from eth.cost.model import CostModel
 from eth.errors import InfeasibleError
-from eth.spec.model import ModelSpec
+from eth.spec.model import ModelSpec, layer_ops
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
@@ -334,6 +334,9 @@ class HPPSearch:
         limit = opt.dp_group_limit if opt.dp else None
         if not self.can_hold(total):
             raise InfeasibleError(self._infeasible_message())
+        small = self._type_too_small()
+        if small:
+            raise InfeasibleError(small)
         bar = progress_bar(0, opt.progress, "hpp", unit="group")
         root = self.phases("enumeration")
         root.__enter__()
@@ -484,6 +487,24 @@ class HPPSearch:
                 seen.add(vecs)
                 self.stats.groups_by_dp += 1
                 self.evaluate_group(vecs)
+
+    def _type_too_small(self) -> str | None:
+        """The one-line reason when a device type cannot hold even one layer: all its devices
+        as one stage at its largest tp, micro-batch 1 per replica, every op recomputed, one
+        micro-batch in flight.  Every device takes part in a plan, so no plan fits."""
+        ops = layer_ops(self.model)
+        for t, n in self.cluster.type_counts().items():
+            tps = self.ev.valid_tps(t, n)
+            if not tps:
+                continue
+            tp = max(tps)
+            dp = n // tp
+            c = self.cost.stage_cost_at(t, tp, dp, 1, False, False, dp, {op: 1 for op in ops}, 1, (1e9,) * 3)
+            if c.memory_bytes > c.capacity_bytes:
+                return (f"device type {t} ({c.capacity_bytes / 1e9:.1f} GB per device) cannot hold one layer of "
+                        f"{self.model.name}: {c.memory_bytes / 1e9:.1f} GB per device even with all {n} devices "
+                        f"as one stage at tp {tp}, micro-batch 1 and full recompute; leave it out of the cluster")
+        return None
 
     def _infeasible_message(self) -> str:
         need = self.model.num_params() * self.cost.bytes_per_param / 1e9

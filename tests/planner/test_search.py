@@ -316,3 +316,23 @@ def test_few_micro_batches_move_every_stage_tp_at_once():
     hpp = search(model, cluster, db, SearchOptions(gbs=16, seeds=False)).predicted["iteration_ms"]
     for strategy in ("metis", "metis-strong", "uniform"):
         assert hpp <= plan_baseline(strategy, model, cluster, db, 16).predicted["iteration_ms"] * (1 + 1e-9)
+
+
+def test_a_type_that_cannot_hold_one_layer_is_named_and_one_type_clusters_plan():
+    def cluster(memory_gb):
+        return make_cluster([{"type": "A100", "devices_per_node": 4}, {"type": "tiny", "devices_per_node": 2}],
+                            device_types={"tiny": {"memory_gb": memory_gb, "tflops": 100, "mem_bw_gbs": 1000,
+                                                   "link_gbps": 100}})
+    small = cluster(0.5)
+    with pytest.raises(InfeasibleError) as err:
+        search(M6, small, profiles_for(M6, small), SearchOptions(gbs=8, seeds=False))
+    msg = str(err.value)
+    assert msg.startswith("device type tiny (0.5 GB per device) cannot hold one layer of m6: ") and "\n" not in msg
+    need = float(msg.split(": ")[1].split(" GB")[0])
+    assert need > 0.5
+    roomy = cluster(need * 1.5)                  # holds a layer: the search runs and plans
+    plan = search(M6, roomy, profiles_for(M6, roomy), SearchOptions(gbs=8, seeds=False))
+    assert {s.device_type for p in plan.pipelines for s in p.stages} == {"A100", "tiny"}
+    one = make_cluster([{"type": "A100", "devices_per_node": 4, "count": 2}])
+    plan = search(M6, one, profiles_for(M6, one), SearchOptions(gbs=8))
+    assert sorted(r for p in plan.pipelines for s in p.stages for r in s.ranks) == list(range(8))
