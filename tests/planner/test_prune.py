@@ -15,7 +15,7 @@ from eth.planner import bounds
 from eth.spec.model import LAYER_OPS
 from eth.planner.bounds import split_floor, split_floors, stage_group_floor, sum_floors
 from eth.planner.enumerate import make_blocks, stage_groups
-from eth.planner.evaluate import Evaluator, PipeState, StageState
+from eth.planner.evaluate import PipeState, StageState
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import optimise_pipeline, stage_ranks
 from eth.planner.recompute_runs import RunEvaluator

@@ -5,9 +5,9 @@
 | strategy | what it may choose | module |
 |---|---|---|
 | ``uniform``   | Megatron-LM: one pipeline, identical stages (tp, dp), even layer split | :mod:`.uniform` |
-| ``metis``     | Metis as published: one pipeline, no recompute, (dp, tp) by a halving walk from (N, 1), speed-proportional layers, mixed-type stages | :mod:`.metis` |
+| ``metis``     | Metis as published: one pipeline, no recompute, tp raised from (N, 1) only under memory pressure (least free stage first, memory summed over a stage's devices), speed-proportional layers, mixed-type stages; its choice out of memory per device is an OOM | :mod:`.metis` |
 | ``metis-strong`` | one pipeline, per-stage tp/dp, uneven layers (HPP balancer, Mbs moves, recompute per stage, Lbs = Gbs) | :mod:`.metis_strong` |
-| ``hexiscale`` | HexiScale as published: k identical pipelines, dp = 1 per stage, memory-proportional layers, one fixed Mbs, recompute all or nothing, Lbs = Gbs / k | :mod:`.hexiscale` |
+| ``hexiscale`` | HexiScale as published: k identical pipelines, dp = 1 per stage, memory-proportional layers, one fixed Mbs, k <= max(1, N // 5), full recompute always, Lbs = Gbs / k | :mod:`.hexiscale` |
 | ``hexiscale-strong`` | k identical pipelines, dp = 1 per stage, layers balanced by time, Mbs searched, recompute per stage | :mod:`.hexiscale_strong` |
 | ``typesplit`` | homogeneous pipelines per device type, HPP phases 1-3 | :mod:`.typesplit` |
 

@@ -10,17 +10,21 @@ plan format as HPP):
   valid tp degrees: power of two, inside a node, splitting the model);
 * layers are split in proportion to each stage's memory (devices x device memory,
   largest remainder, at least one layer per stage) -- not by time;
+* at most N // 5 pipelines (N = devices of the cluster; HexiScale's main.py), taken here
+  as k <= max(1, N // 5) so that a cluster of fewer than 10 devices still plans with k = 1
+  (:func:`pipeline_cap`);
 * one fixed micro-batch size (``BaselineOptions.fixed_mbs``, default 4, the value of the
   paper's Table 3 HexiScale plan), lowered to the largest power of two dividing Lbs when
   Lbs is not a multiple of it;
-* one global recompute flag: no recompute if every stage fits, else every op of every
-  layer of every stage (full recompute); nothing in between.
+* full recompute always (HexiScale's cost model always includes it): every op of every
+  layer of every stage is recomputed.
 
-Search (:func:`plan_hexiscale`): every k and every stage device group of one pipeline
-(:func:`eth.planner.enumerate.stage_groups`: device types in any order, the devices of
-a type cut into equal stages) gives exactly one plan under the rules above; each is
-scored by :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6, memory) and the fastest
-feasible one wins.
+Search (:func:`plan_hexiscale`): every k up to the cap and every stage device group of one
+pipeline (:func:`eth.planner.enumerate.stage_groups`: device types in any order, the
+devices of a type cut into equal stages) gives exactly one plan under the rules above;
+each is scored by :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6, per-device
+memory) and the fastest feasible one wins.  When none fits, the InfeasibleError's reason
+names the ks tried and, if the cap left some out, the cap, N and the ks it left out.
 
 Where it departs from the published system: HexiScale's own search (a graph partition of
 the devices followed by a genetic search over the pipeline layout) and its own cost model
@@ -43,7 +47,6 @@ from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_group
 from eth.planner.evaluate import Evaluator
 
 
-
 def fixed_micro(fixed: int, lbs: int) -> int:
     """The fixed micro-batch size, lowered to the largest power of two <= it dividing lbs."""
     m = 1
@@ -64,6 +67,12 @@ def pipeline_counts(cluster, unit, need: float, gbs: int):
         mem = sum(n * cluster.types[t].memory_bytes for t, n in zip(unit.types, per))
         (fits.append((k, per)) if mem >= need else too_small.append(k))
     return ks, fits, too_small
+
+
+def pipeline_cap(cluster) -> int:
+    """HexiScale's largest pipeline count: N // 5 over the cluster's N devices (its
+    main.py), at least 1."""
+    return max(1, cluster.world_size // 5)
 
 
 def tp_stage_groups(unit, per, model, ev, options, clock, orders=None):
@@ -115,6 +124,10 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
     need = model.num_params() * cost.bytes_per_param
     ks, fits, too_small = pipeline_counts(cluster, unit, need, gbs)
+    cap = pipeline_cap(cluster)
+    capped = [k for k, _ in fits if k > cap]
+    fits = [(k, per) for k, per in fits if k <= cap]
+    ops = layer_ops(model)                               # full recompute, always
     best = Best()
     tried = 0
     bar = progress_bar(len(fits), options.progress, "hexiscale")
@@ -126,13 +139,14 @@ def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions)
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
             for g in tp_stage_groups(unit, per, model, ev, options, clock):
                 tried += 1
-                for ops in ((), layer_ops(model)):   # the global recompute flag: off, then on
-                    if best.offer(cost, hexiscale_plan(model, cluster, blocks, g.stages, k, gbs, mbs, ops)) < math.inf:
-                        break
+                best.offer(cost, hexiscale_plan(model, cluster, blocks, g.stages, k, gbs, mbs, ops))
     finally:
         bar.close()
-    why = no_plan_reason(ks, unit, gbs, need, too_small,
-                         f" ({tried} stage groups) with memory-proportional layers and fixed mbs "
-                         f"{options.fixed_mbs}, even with full recompute")
+    why = no_plan_reason([k for k in ks if k <= cap], unit, gbs, need, [k for k in too_small if k <= cap],
+                         f" ({tried} stage groups) with memory-proportional layers, fixed mbs "
+                         f"{options.fixed_mbs} and full recompute")
+    if capped:
+        why += (f"; k is capped at max(1, N // 5) = {cap} for N = {cluster.world_size} devices "
+                f"(HexiScale's main.py), which leaves out k in {capped}")
     return finish("hexiscale", best, cost, clock, options, why, variant="faithful",
-                  stage_groups=tried)
+                  stage_groups=tried, max_pipelines=cap)
