@@ -4,7 +4,9 @@
 For the paper's Table 2 models and cluster scales (examples/clusters/<pair>-<n>.yaml
 from examples/make_clusters.py; pairs b2b3, b2b4, b3b4, a100-3090) and for the
 section 7.4 sweeps of GPT-3 13B on 910B2/910B4 (devices 16..128, global batch
-4..4096, sequence length 32..8192), every strategy -- hpp (eth.planner.search, with its
+4..4096, sequence length 32..8192), and for mixed fleets of 3, 4 and 6 device types
+(examples/clusters/mixed3-48, mixed4-64, mixed6-48.yaml; GPT-3 1.3B and 13B, LLaMA-2 7B;
+the many_types table), every strategy -- hpp (eth.planner.search, with its
 seeds; which seed won, if one did, is the seed_won column), hpp-noseeds (the same search
 without seeds), uniform, metis and hexiscale (as published), metis-strong and
 hexiscale-strong (on HPP's balancer, Mbs search and recompute), typesplit
@@ -14,7 +16,8 @@ ProfileDB.ensure for other sequence lengths) and the same CostModel; each plan i
 played by the event simulator (eth.report.simulate).  Written to out/bench/ (--out DIR;
 --update-results: over the tracked bench/results/):
 
-    table2.csv, sweep_devices.csv, sweep_gbs.csv, sweep_seq.csv   one row per (case, strategy)
+    table2.csv, many_types.csv,
+    sweep_devices.csv, sweep_gbs.csv, sweep_seq.csv               one row per (case, strategy)
     paper_eval.md                                                 tables built from the CSVs
     plans/*.json        every strategy's plan for GPT-3 13B on b2b4-64 and the paper's Table 3 plans
     sweep_devices.png, sweep_gbs.png, sweep_seq.png               one plot per sweep
@@ -35,6 +38,7 @@ efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
     python bench/paper_eval.py --time-limit 60      # everything (many minutes)
     python bench/paper_eval.py --only table2 --models gpt3-13b --pairs b2b4
     python bench/paper_eval.py --only sensitivity
+    python bench/paper_eval.py --only many_types   # 3, 4 and 6 device types (not in --quick)
     python bench/paper_eval.py --report-only        # rebuild md + PNG from the CSVs
 """
 from __future__ import annotations
@@ -56,6 +60,9 @@ SWEEP_VALUES = MappingProxyType({"devices": (16, 32, 48, 64, 96, 128),
                                  "seq": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)})
 QUICK_SWEEPS = MappingProxyType({"devices": (16, 32), "gbs": (4, 64, 1024), "seq": (512, 8192)})
 SWEEP_BASE = MappingProxyType({"devices": 64, "gbs": 1024, "seq": 2048})
+MANY_TYPE_MIXES = ("mixed3-48", "mixed4-64", "mixed6-48")
+"""examples/make_clusters.py MIXES of the many-type table: 3, 4 and 6 device types."""
+MANY_TYPE_MODELS = ("gpt3-1.3b", "gpt3-13b", "llama2-7b")
 
 
 # Paper appendix A, Table 3 (GPT-3 13B on 4x8 910B2 + 4x8 910B4, gbs 1024): the plans the
@@ -313,6 +320,11 @@ def cases_for(args, mc) -> dict[str, list[Case]]:
         pairs = args.pairs or (["b2b4", "a100-3090"] if args.quick else list(mc.PAIRS))
         out["table2"] = [Case("table2", m, p, 2 * mc.SCALES[m][0] * mc.SCALES[m][1], args.gbs, 2048)
                          for m in models for p in pairs]
+    if args.only == "many_types" or (args.only is None and not args.quick):
+        models = args.models or (["gpt3-1.3b"] if args.quick else list(MANY_TYPE_MODELS))
+        mixes = [m for m in (args.pairs or MANY_TYPE_MIXES) if m in mc.MIXES]
+        out["many_types"] = [Case("many_types", m, mix.split("-")[0], sum(mc.MIXES[mix].values()), args.gbs, 2048)
+                             for m in models for mix in mixes]
     if args.only in (None, "sweeps"):
         for sweep in SWEEPS:
             values = (QUICK_SWEEPS if args.quick else SWEEP_VALUES)[sweep]
@@ -332,9 +344,10 @@ def cases_for(args, mc) -> dict[str, list[Case]]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a subset (about a minute on an idle machine)")
-    p.add_argument("--only", choices=("table2", "table3", "sweeps", "sensitivity"), help="run only this part")
+    p.add_argument("--only", choices=("table2", "table3", "sweeps", "sensitivity", "many_types"), help="run only this part")
     p.add_argument("--models", nargs="+", help="Table 2 models (default: all, quick: 350m, 1.3b)")
-    p.add_argument("--pairs", nargs="+", help="device pairs (default: all, quick: b2b4, a100-3090)")
+    p.add_argument("--pairs", nargs="+", help="device pairs (default: all, quick: b2b4, a100-3090); "
+                   "for many_types the mixes (default: " + ", ".join(MANY_TYPE_MIXES) + ")")
     p.add_argument("--sweeps", nargs="+", choices=SWEEPS, help="which sweeps (default: all)")
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     p.add_argument("--gbs", type=int, default=1024, help="global batch of the Table 2 runs")
@@ -367,7 +380,11 @@ def main(argv=None) -> int:
             rows = []
             for v in tqdm(SENSITIVITY, file=sys.stderr, unit="variant", desc="sensitivity"):
                 rows += run_case(case, mc, cache, args.time_limit, args.strategies, variant=v)
-            write_csv(out / "sensitivity.csv", rows)
+            path = out / "sensitivity.csv"
+            if path.exists() and set(args.strategies) != set(STRATEGIES):     # merge partial re-runs
+                keep = {(r.variant, r.strategy) for r in rows}
+                rows = [r for r in read_csv(path) if (r.variant, r.strategy) not in keep] + rows
+            write_csv(path, rows)
         total = sum(len(v) for v in groups.values())
         bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
         done: dict[tuple, list[Row]] = {}     # the sweeps share their base point (and Table 2's)
@@ -383,7 +400,8 @@ def main(argv=None) -> int:
                     rows += [replace(r, table=table) for r in done[key]]
                     bar.update(1)
                 path = out / f"{table}.csv"
-                if path.exists() and (args.models or args.pairs):   # merge partial re-runs
+                if path.exists() and (args.models or args.pairs or set(args.strategies) != set(STRATEGIES)):
+                    # merge partial re-runs
                     keep = {(r.model, r.pair, r.devices, r.gbs, r.seq, r.strategy) for r in rows}
                     rows = [r for r in read_csv(path)
                             if (r.model, r.pair, r.devices, r.gbs, r.seq, r.strategy) not in keep] + rows

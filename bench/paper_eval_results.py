@@ -229,7 +229,7 @@ def summary_lines(rows: list[Row]) -> list[str]:
 
 
 def write_report(out: Path) -> None:
-    names = ("table2", "table3", "sensitivity", *(f"sweep_{sweep}" for sweep in SWEEPS))
+    names = ("table2", "table3", "sensitivity", "many_types", *(f"sweep_{sweep}" for sweep in SWEEPS))
     tables = {name: read_csv(out / f"{name}.csv") for name in names if (out / f"{name}.csv").exists()}
     runs = (out / "runs.txt").read_text().splitlines() if (out / "runs.txt").exists() else []
     md = ["# Paper evaluation: HPP vs baselines in one cost model", "",
@@ -247,6 +247,13 @@ def write_report(out: Path) -> None:
                "HPP speedup range per device pair (simulated iteration time):", ""]
         md += summary_lines(tables["table2"])
         md += markdown_tables("table2", tables["table2"])
+    if "many_types" in tables:
+        md += ["", "## Many device types (gbs 1024, seq 2048)", "",
+               "Clusters examples/clusters/mixed<T>-<N>.yaml (examples/make_clusters.py MIXES): "
+               "T device types, N devices, 8 per node.  HPP speedup range per cluster "
+               "(simulated iteration time):", ""]
+        md += summary_lines(tables["many_types"])
+        md += markdown_tables("many_types", tables["many_types"])
     if "table3" in tables:
         md += table3_lines(tables["table3"], tables.get("table2", []))
     if "sensitivity" in tables:

@@ -20,6 +20,7 @@ space) finishes are compared with it too.
     python bench/search_scaling.py            # full (un-optimised runs limited to 300 s)
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
     python bench/search_scaling.py --many-types [--before REV] [--rows 0,1] [--many-limit S] [--max-blocks N]
+    python bench/search_scaling.py --curve [--many-limit S] [--png docs/planner_scaling.png]
 
 Many device types (``--many-types``, also the last section of a full run): the clusters
 of :data:`MANY_TYPES` (examples/clusters/mixed3-96, mixed4-256, mixed4-1024 and
@@ -122,19 +123,25 @@ MANY_TYPES = [
 ]
 
 
-def many_types_child(index: int, limit: float, max_blocks: int | None = None) -> dict:
-    """One :data:`MANY_TYPES` search in this process (the planner on ``sys.path``)."""
+def many_types_child(problem: dict, limit: float, max_blocks: int | None = None) -> dict:
+    """One search in this process (the planner on ``sys.path``) of ``problem``: "cluster"
+    (an examples/clusters file stem, or {device type: devices}, 8 per node), "model", "gbs"."""
     import resource
 
     from eth.errors import InfeasibleError
     from eth.planner.options import SearchOptions
     from eth.planner.search import search
     from eth.profiles.db import ProfileDB
-    from eth.spec.cluster import load_cluster
+    from eth.spec.cluster import Cluster, load_cluster
     from eth.spec.model import get_model
-    _, mix, name, gbs, _, _ = MANY_TYPES[index]
-    cluster = load_cluster(ROOT / "examples" / "clusters" / f"{mix}.yaml")
-    model, db = get_model(name), ProfileDB()
+    mix = problem["cluster"]
+    if isinstance(mix, str):
+        cluster = load_cluster(ROOT / "examples" / "clusters" / f"{mix}.yaml")
+    else:
+        cluster = Cluster.from_dict({"name": f"{len(mix)}-types", "inter_node_gbps": 200, "inter_type_gbps": 100,
+                                     "nodes": [{"type": t, "devices_per_node": 8, "count": n // 8}
+                                               for t, n in mix.items()]})
+    model, db, gbs = get_model(problem["model"]), ProfileDB(), problem["gbs"]
     db.ensure(model, cluster.types.values())
     start = time.perf_counter()
     try:
@@ -149,16 +156,67 @@ def many_types_child(index: int, limit: float, max_blocks: int | None = None) ->
     return {"time_s": wall, "iter_ms": ms, "limited": limited, "rss_gb": peak / 2**20}
 
 
-def many_types_run(index: int, root: Path, limit: float, max_blocks: int | None = None) -> dict:
+def many_types_run(problem: dict, root: Path, limit: float, max_blocks: int | None = None) -> dict:
     """:func:`many_types_child` in a fresh process with the planner of checkout ``root``."""
     import json
     extra = [] if max_blocks is None else ["--max-blocks", str(max_blocks)]
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(index), "--limit", str(limit),
-                          "--root", str(root), *extra], capture_output=True, text=True, cwd=root)
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(problem),
+                          "--limit", str(limit), "--root", str(root), *extra], capture_output=True, text=True,
+                         cwd=root)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
-        raise RuntimeError(f"child {index} ({root}) failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"child {problem} ({root}) failed:\n{out.stderr[-2000:]}")
     return json.loads(lines[-1])
+
+
+CURVE_TYPES = ("H100", "A100", "A100-40GB", "RTX3090", "V100", "L40S")
+"""The scaling curve's device types, in the order they are added."""
+CURVE_DEVICES = (32, 64, 128, 256)
+"""Devices of the 4-type curve (equal per type)."""
+CURVE_PER_TYPE = 16
+"""Devices per type of the types curve."""
+
+
+def scaling_curve(png: Path, limit: float, max_blocks: int | None = None) -> None:
+    """Search time and peak RSS vs devices (4 types, CURVE_DEVICES) and vs device types
+    (2..6 of CURVE_TYPES, CURVE_PER_TYPE each), GPT-3 13B, gbs 1024, each search in a child
+    process limited to ``limit`` s; a table on stdout and the two curves in ``png``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series = {"devices": [], "types": []}
+    print(f"# scaling curve: GPT-3 13B, gbs 1024, default --jobs, limit {limit:g} s per search")
+    print(f"{'case':<26} {'search s':>9} {'peak GB':>8} {'iter ms':>11}")
+    problems = [("devices", n, {t: n // 4 for t in CURVE_TYPES[:4]}) for n in CURVE_DEVICES]
+    problems += [("types", k, {t: CURVE_PER_TYPE for t in CURVE_TYPES[:k]}) for k in range(2, len(CURVE_TYPES) + 1)]
+    for axis, x, mix in problems:
+        r = many_types_run({"cluster": mix, "model": "gpt3-13b", "gbs": 1024}, ROOT, limit, max_blocks)
+        series[axis].append((x, r))
+        label = f"{len(mix)} types, {sum(mix.values())} dev"
+        print(f"{label:<26} {r['time_s']:>9.1f}{' (limit)' if r['limited'] else ''} {r['rss_gb']:>8.2f} "
+              f"{r['iter_ms']:>11.1f}")
+        sys.stdout.flush()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, axis, xlabel in ((axes[0], "devices", "devices (4 types, equal shares)"),
+                             (axes[1], "types", f"device types ({CURVE_PER_TYPE} devices each)")):
+        xs = [x for x, _ in series[axis]]
+        ax.plot(xs, [r["time_s"] for _, r in series[axis]], "o-", label="search time (s)")
+        for x, r in series[axis]:
+            if r["limited"]:
+                ax.annotate("limit", (x, r["time_s"]), textcoords="offset points", xytext=(0, 6), ha="center")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("search wall time, s")
+        ax.set_xticks(xs)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        twin = ax.twinx()
+        twin.plot(xs, [r["rss_gb"] for _, r in series[axis]], "s--", color="tab:orange", label="peak RSS (GB)")
+        twin.set_ylabel("peak RSS, GB")
+        twin.set_ylim(bottom=0)
+    fig.suptitle("HPP search, GPT-3 13B, gbs 1024 (bench/search_scaling.py --curve)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
 
 
 def many_types(before: str | None, before_limit: float, rows=None, limit: float = 0.0,
@@ -177,15 +235,16 @@ def many_types(before: str | None, before_limit: float, rows=None, limit: float 
             subprocess.run(["git", "worktree", "add", "--detach", str(old), before], cwd=ROOT, check=True,
                            capture_output=True)
         try:
-            for i, (label, _, _, _, want_s, want_gb) in enumerate(MANY_TYPES):
+            for i, (label, mix, model, gbs, want_s, want_gb) in enumerate(MANY_TYPES):
                 if rows is not None and i not in rows:
                     continue
-                r = many_types_run(i, ROOT, limit, max_blocks)
+                problem = {"cluster": mix, "model": model, "gbs": gbs}
+                r = many_types_run(problem, ROOT, limit, max_blocks)
                 target = f"<{want_s} s" + (f", <{want_gb} GB" if want_gb else "")
                 row = (f"{label:<26} {r['time_s']:>9.1f}{' (limit)' if r['limited'] else ''} {r['rss_gb']:>8.2f} "
                        f"{r['iter_ms']:>11.1f} {target:>14}")
                 if old is not None:
-                    b = many_types_run(i, old, before_limit)
+                    b = many_types_run(problem, old, before_limit)
                     lim = " (limit)" if b["limited"] else ""
                     row += (f" | {b['time_s']:>9.1f} {b['rss_gb']:>8.2f} {b['iter_ms']:>11.1f} "
                             f"{b['time_s'] / r['time_s']:>7.1f}x{lim} {r['iter_ms'] / b['iter_ms']:>11.4f}")
@@ -238,13 +297,21 @@ def main(argv=None) -> int:
                    help="time limit (s) of this checkout's many-type searches (default: none)")
     p.add_argument("--max-blocks", type=int, help="SearchOptions.max_blocks of this checkout's many-type searches "
                                                   "(default: the planner's)")
-    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--curve", action="store_true",
+                   help="only the scaling curve: search time vs devices (4 types) and vs types (16 devices "
+                        "each), GPT-3 13B, gbs 1024, limited to --many-limit s (default 300); writes --png")
+    p.add_argument("--png", default=str(ROOT / "docs" / "planner_scaling.png"), help="where --curve draws")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
         import json
         sys.path.insert(0, args.root)     # the planner of that checkout
-        print(json.dumps(many_types_child(args.child, args.limit or 0.0, args.max_blocks)))
+        print(json.dumps(many_types_child(json.loads(args.child), args.limit or 0.0, args.max_blocks)))
+        return 0
+    if args.curve:
+        print(context())
+        scaling_curve(Path(args.png), args.many_limit or 300.0, args.max_blocks)
         return 0
     rows = None if not args.rows else {int(x) for x in args.rows.split(",")}
     if args.many_types:

@@ -525,38 +525,46 @@ class HPPSearch:
         return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
 
 
-SEED_STRATEGIES = ("metis-strong", "hexiscale-strong", "uniform")
+SEED_STRATEGIES = ("metis-strong", "uniform", "hexiscale-strong")
 """The planners whose plans seed the HPP search (the strong baselines: their plans lie in
-HPP's space; the faithful Metis may use mixed-type stages, which the plan format lacks)."""
+HPP's space; the faithful Metis may use mixed-type stages, which the plan format lacks),
+in the order they run (the slowest last: beside the search it may use what the others
+left of the time limit)."""
 
 
 def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:
     """Run the configured strategy and return a validated, annotated plan.
 
-    For "hpp" with ``options.seeds``, the cheap structured planners run first (each with
-    at most a sixth of the time limit), the HPP search gets the remaining time, and the
-    fastest plan by Eq. 5 is returned.  With ``options.jobs`` > 1 they run in a forked
-    process beside the HPP search instead (the same plans, less wall time).
+    For "hpp" with ``options.seeds``, the structured planners of :data:`SEED_STRATEGIES`
+    seed the search and the fastest plan by Eq. 5 is returned.  With ``options.jobs`` > 1
+    they run one after another in a forked process beside the HPP search, each with what
+    is left of the time limit, so a seed scores what its strategy scores alone whenever
+    the seeds before it leave it the time it needs; with one job they run first, each with
+    at most a sixth of the time limit, and the HPP search gets the remaining time.
     """
     from eth.planner.baselines import plan_baseline
     if options.strategy != "hpp":
         return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
     clock = Clock(options.time_limit)
 
-    def seed_plans() -> tuple[dict[str, Plan], float]:
+    def seed_plans(beside: bool) -> tuple[dict[str, Plan], float]:
         start, seeds = Clock(0), {}
         for name in SEED_STRATEGIES if options.seeds else ():
+            if options.time_limit and beside:
+                limit = max(options.time_limit - clock.elapsed(), 1e-9)
+            else:
+                limit = options.time_limit / 6
             try:
                 seeds[name] = plan_baseline(name, model, cluster, profiles, options.gbs,
-                                            replace(options, time_limit=options.time_limit / 6, progress=False))
+                                            replace(options, time_limit=limit, progress=False))
             except InfeasibleError:
                 continue
         return seeds, start.elapsed()
 
     # with jobs > 1 the seed planners run in a forked process beside the search, which
     # then has the whole time limit; otherwise first, and the search gets what is left
-    beside = Forked(seed_plans) if options.seeds and options.jobs > 1 and can_fork() else None
-    seeds, seeds_s = seed_plans() if beside is None else ({}, 0.0)
+    beside = Forked(lambda: seed_plans(True)) if options.seeds and options.jobs > 1 and can_fork() else None
+    seeds, seeds_s = seed_plans(False) if beside is None else ({}, 0.0)
     left = max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds else options.time_limit
     try:
         plan, error = HPPSearch(model, cluster, profiles, replace(options, time_limit=left)).run(), None

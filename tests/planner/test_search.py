@@ -282,6 +282,32 @@ def test_seeds_make_hpp_no_slower_than_the_structured_planners(nodes, gbs):
     assert (won is None) == (plan.predicted["iteration_ms"] == pytest.approx(unseeded.predicted["iteration_ms"]))
 
 
+def test_seeds_beside_the_search_get_what_is_left_of_the_time_limit(tmp_path, monkeypatch):
+    """With jobs > 1 each seed planner runs with the time left of the limit (a seed then
+    scores what its strategy scores alone); with one job, a sixth of it each."""
+    import eth.planner.baselines as baselines
+    from eth.planner.search import SEED_STRATEGIES
+    real, log = baselines.plan_baseline, tmp_path / "limits.txt"
+
+    def recording(name, *args):
+        with log.open("a") as fh:                   # written in the forked seed process too
+            fh.write(f"{name} {args[-1].time_limit}\n")
+        return real(name, *args)
+    monkeypatch.setattr(baselines, "plan_baseline", recording)
+    cluster = make_cluster(A2R2)
+    db = profiles_for(M4, cluster)
+    for jobs in (2, 1):
+        log.write_text("")
+        search(M4, cluster, db, SearchOptions(gbs=8, time_limit=60, jobs=jobs))
+        got = [line.split() for line in log.read_text().splitlines()]
+        assert [name for name, _ in got] == list(SEED_STRATEGIES)
+        limits = [float(x) for _, x in got]
+        if jobs == 2:
+            assert all(50 < x <= 60 for x in limits) and limits == sorted(limits, reverse=True), limits
+        else:
+            assert limits == [10.0] * 3
+
+
 def test_small_batch_reaches_the_seeds_plans_without_them():
     """GPT-3 13B on 32 + 32 Ascend devices at gbs 4: the seeds' plans (one pipeline of
     tp-8, dp-1 stages at mbs 1) used to beat the unseeded search, whose warm starts
