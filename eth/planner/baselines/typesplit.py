@@ -251,7 +251,14 @@ def plan_typesplit(model, cluster, profiles, gbs: int, options: BaselineOptions)
                          optimised)
     finally:
         bar.close()
-    why = (f"no split of the devices into homogeneous pipelines ({len(combos)} tried) fits in "
-           f"memory with local batches that are multiples of their mbs summing to gbs {gbs}")
+    need = model.num_params() * cost.bytes_per_param
+    small = [f"{t} ({n} devices, {n * cluster.types[t].memory_bytes / 1e9:.1f} GB)"
+             for i, (t, n) in enumerate(zip(blocks.types, blocks.devices(blocks.count))) if not per_type[i]]
+    if small:
+        why = (f"every pipeline holds one device type, and all the devices of {', '.join(small)} hold less than "
+               f"the {need / 1e9:.1f} GB of weights, gradients and optimizer states of {model.name}")
+    else:
+        why = (f"no split of the devices into homogeneous pipelines ({len(combos)} tried) fits in "
+               f"memory with local batches that are multiples of their mbs summing to gbs {gbs}")
     return finish("typesplit", best, cost, clock, options, why, type_splits=len(combos),
                   pipelines_optimised=len(phase1), cost_evaluations=ev.evaluations)
