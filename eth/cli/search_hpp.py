@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from eth.planner.options import STRATEGIES
 
@@ -69,29 +68,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    from eth.cli.common import CHECKOUT, check_output_file
-    from eth.errors import SpecError
+    from eth.cli.common import check_output_file
     from eth.spec.cluster import load_cluster
     from eth.spec.model_source import model_from_args
+    from eth.planner.job import plan_job
     from eth.planner.options import SearchOptions
-    from eth.planner.search import search
     from eth.spec.precision import TrainSetup
-    from eth.profiles.db import ProfileDB
     from eth.report.tables import format_plan_table, format_search_line
 
     if args.output:  # before the search, so that a long search's result is not lost
         check_output_file(args.output)
     model = model_from_args(args, attention=args.attention)
     cluster = load_cluster(args.cluster)
-    db = ProfileDB.load(args.profiles) if args.profiles else ProfileDB()
-    added = db.ensure(model, cluster.types.values())
-    if args.profiles and added and args.profiles_fallback == "none":
-        raise SpecError(f"--profiles {args.profiles} has no entry for model {model.name} (hidden {model.hidden}, "
-                        f"heads {model.heads}, kv_heads {model.kv_heads}, ffn {model.ffn}, seq {model.seq_len}, "
-                        f"vocab {model.vocab}, {model.norm}, {model.position}, {model.attention} attention"
-                        f"{', swiglu' if model.swiglu else ''}{'' if model.bias else ', no bias'}) on "
-                        f"{', '.join(added)}: profile it with tools/profile_ops.py, "
-                        f"or pass --profiles-fallback analytic")
     options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
                             skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
                             seeds=not args.no_seeds,
@@ -101,17 +89,9 @@ def _main(argv=None) -> int:
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
                             progress=not args.no_progress, jobs=args.jobs,
                             setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
-    plan = search(model, cluster, db, options)
-    # where each device type's op costs came from (the plan hash does not cover profiles)
-    plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
-                               else db.get(t).source for t in sorted(cluster.types)}
-    if args.profiles:  # so that tools/show_plan.py scores the plan with the same profiles
-        where = Path(args.profiles).resolve()
-        plan.search["profiles_path"] = str(where)
-        if where.is_relative_to(CHECKOUT):   # found again in another clone of the repository
-            plan.search["profiles_checkout_path"] = where.relative_to(CHECKOUT).as_posix()
+    plan = plan_job(model, cluster, args.profiles, options, args.profiles_fallback)
+    added = plan.search.get("analytic_profiles")
     if added:  # said after the search so that an error stays a single line
-        plan.search["analytic_profiles"] = added
         print(f"note: analytic profiles (roofline estimates) for {model.name} on "
               f"{', '.join(added)}", file=sys.stderr)
     print(format_plan_table(plan))

@@ -1,0 +1,46 @@
+"""One planning job: the profiles of a model on a cluster's device types, the search, and
+where the op costs came from, recorded in the plan (tools/search_hpp.py and the runtime's
+plan at start-up, megatron/hpp/training/startup_plan.py, both run it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from eth.errors import SpecError
+from eth.planner.options import SearchOptions
+from eth.spec.cluster import Cluster
+from eth.spec.model import ModelSpec
+from eth.spec.plan import Plan
+
+def plan_job(model: ModelSpec, cluster: Cluster, profiles: str | None, options: SearchOptions,
+             fallback: str = "none") -> Plan:
+    """Search ``options.strategy`` for ``model`` on ``cluster`` with the profiles of file or
+    folder ``profiles`` (None: analytic profiles in memory).  A device type those profiles
+    lack for the model is a SpecError unless ``fallback`` is "analytic".  ``plan.search``
+    records per type where the op costs came from ("profiles"), the profiles' path
+    ("profiles_path", and "profiles_checkout_path" inside this checkout, so that
+    tools/show_plan.py scores the plan with them in another clone) and the types given
+    analytic profiles ("analytic_profiles")."""
+    from eth.cli.common import CHECKOUT
+    from eth.planner.search import search
+    from eth.profiles.db import ProfileDB
+
+    db = ProfileDB.load(profiles) if profiles else ProfileDB()
+    added = db.ensure(model, cluster.types.values())
+    if profiles and added and fallback == "none":
+        raise SpecError(f"--profiles {profiles} has no entry for model {model.name} (hidden {model.hidden}, "
+                        f"heads {model.heads}, kv_heads {model.kv_heads}, ffn {model.ffn}, seq {model.seq_len}, "
+                        f"vocab {model.vocab}, {model.norm}, {model.position}, {model.attention} attention"
+                        f"{', swiglu' if model.swiglu else ''}{'' if model.bias else ', no bias'}) on "
+                        f"{', '.join(added)}: profile it with tools/profile_ops.py, "
+                        f"or pass --profiles-fallback analytic")
+    plan = search(model, cluster, db, options)
+    plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
+                               else db.get(t).source for t in sorted(cluster.types)}
+    if profiles:
+        where = Path(profiles).resolve()
+        plan.search["profiles_path"] = str(where)
+        if where.is_relative_to(CHECKOUT):
+            plan.search["profiles_checkout_path"] = where.relative_to(CHECKOUT).as_posix()
+    if added:
+        plan.search["analytic_profiles"] = added
+    return plan
