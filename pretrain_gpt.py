@@ -8,6 +8,7 @@ also runs without torchrun (``python pretrain_gpt.py ...``).  Exit codes: 0 done
 1 stopped (NaN/Inf loss, a rank died or timed out), 2 bad input.
 """
 import argparse
+import os
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +26,17 @@ def parse_args(argv=None):
     from megatron.hpp.data.datasets import DEFAULT_SPLIT
 
     p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--hpp-plan", required=True, help="plan JSON (tools/search_hpp.py output)")
+    p.add_argument("--hpp-plan", help="plan JSON (tools/search_hpp.py output); or --hpp-cluster")
+    s = p.add_argument_group("plan at start-up, for the ranks the launcher started (instead of --hpp-plan; "
+                             "docs/RUNTIME.md)")
+    s.add_argument("--hpp-cluster", metavar="FLEET.yaml",
+                   help="cluster YAML of the fleet's device types and links; each rank's type: HPP_DEVICE_TYPE, "
+                        "the CUDA device name, or the fleet's only type.  Needs --model and --global-batch-size; "
+                        "with --save the plan is kept there and used again for the same ranks")
+    s.add_argument("--model", metavar="PRESET|FILE", help="the model to plan (preset, model YAML or config.json)")
+    s.add_argument("--hpp-profiles", metavar="FILE|DIR", help="op profiles (default: analytic estimates)")
+    s.add_argument("--hpp-time-limit", type=float, default=0.0,
+                   help="seconds for the search at start-up, 0 = none (keep it under the collective timeout)")
     p.add_argument("--train-iters", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="cosine decay floor (default: constant lr)")
@@ -108,6 +119,40 @@ def plan_flags(args) -> dict:
     return {**{d: getattr(args, d) for d in PARALLEL_FLAGS if getattr(args, d) is not None}, **overrides_of(args)}
 
 
+def plan_request(args):
+    """The startup_plan.PlanRequest of --hpp-cluster (None with --hpp-plan); checks the
+    fleet file, the model and the profiles path (SpecError) before any process group."""
+    from eth.errors import SpecError
+
+    if (args.hpp_plan is None) == (args.hpp_cluster is None):
+        raise SpecError("give --hpp-plan PLAN.json (a plan made by tools/search_hpp.py) or --hpp-cluster "
+                        "FLEET.yaml (plan at start-up), not " + ("both" if args.hpp_plan else "neither"))
+    if args.hpp_cluster is None:
+        for flag, value in (("--model", args.model), ("--hpp-profiles", args.hpp_profiles)):
+            if value is not None:
+                raise SpecError(f"{flag} {value} is read with --hpp-cluster only (the plan names its model "
+                                f"and was searched with its profiles)")
+        return None
+    from eth.spec.cluster import load_cluster
+    from eth.spec.model_source import apply_overrides, load_model, overrides_of
+    from megatron.hpp.training.startup_plan import PlanRequest
+
+    if args.model is None or args.global_batch_size is None:
+        raise SpecError("--hpp-cluster plans at start-up: give --model and --global-batch-size")
+    if args.global_batch_size <= 0:
+        raise SpecError(f"--global-batch-size must be positive, got {args.global_batch_size}")
+    if args.hpp_time_limit < 0:
+        raise SpecError(f"--hpp-time-limit must be >= 0 (0: none), got {args.hpp_time_limit}")
+    if args.hpp_profiles is not None and not os.path.exists(args.hpp_profiles):
+        raise SpecError(f"--hpp-profiles {args.hpp_profiles} does not exist")
+    load_cluster(args.hpp_cluster)
+    overrides = overrides_of(args)
+    apply_overrides(load_model(args.model, overrides.get("seq_length")), overrides)
+    return PlanRequest(args.hpp_cluster, args.model, args.global_batch_size, overrides, args.hpp_profiles,
+                       args.precision or "bf16", args.zero_stage or 0, args.grad_reduce or "fp32",
+                       args.hpp_time_limit)
+
+
 def main(argv=None) -> int:
     from megatron.hpp.training.failures import checking_input
 
@@ -138,7 +183,7 @@ def config(argv=None):
             args.min_lr = 0.0
         if args.lr_decay_style == "constant" and args.min_lr is not None:
             raise SpecError(f"--lr-decay-style constant with --min-lr {args.min_lr}: give one of them")
-        cfg = TrainConfig(plan=args.hpp_plan, train_iters=args.train_iters, lr=args.lr,
+        cfg = TrainConfig(plan=args.hpp_plan, startup=plan_request(args), train_iters=args.train_iters, lr=args.lr,
                           min_lr=args.min_lr, plan_flags=plan_flags(args), warmup=args.warmup, weight_decay=args.weight_decay,
                           clip_grad=args.clip_grad, seed=args.seed, log_interval=args.log_interval,
                           data_path=args.data_path, split=args.split or DEFAULT_SPLIT,

@@ -35,7 +35,7 @@ def test_shipped_plan_prediction_is_current(path):
 
 # what the README's "Using it" commands and `make run` write, relative to the checkout
 README_OUTPUTS = ["plan.json", "plan.png", "cpu-plan.json", "cpu-plan0.json", "cpu-plan-hf.json", "llama-plan.json",
-                  "ckpt/iter_0000010/x", "data/alice.bin", "my_profiles/cpu.json", "out/plan.json",
+                  "ckpt/iter_0000010/x", "ckpt-startup/hpp-plan.json", "data/alice.bin", "my_profiles/cpu.json", "out/plan.json",
                   "out/bench/paper_eval.md"]
 
 
@@ -43,7 +43,7 @@ def test_gitignore_covers_what_the_readme_writes():
     readme = (REPO / "README.md").read_text()
     for name in ["-o plan.json", "--png plan.png", "-o cpu-plan.json", "-o cpu-plan0.json", "-o cpu-plan-hf.json",
                  "-o llama-plan.json",
-                 "--save ckpt", "--output-prefix data/alice", "-o my_profiles/cpu.json"]:
+                 "--save ckpt", "--save ckpt-startup", "--output-prefix data/alice", "-o my_profiles/cpu.json"]:
         assert name in readme, f"README no longer says {name!r}: update README_OUTPUTS"
     try:
         proc = subprocess.run(["git", "check-ignore", "--no-index", *README_OUTPUTS], cwd=REPO,

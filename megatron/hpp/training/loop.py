@@ -1,6 +1,8 @@
 """The HPP train loop behind pretrain_gpt.py.
 
-Order of work on every rank (all ranks read the same plan, so all fail alike):
+Order of work on every rank (all ranks read the same plan, so all fail alike; with
+``--hpp-cluster`` the default group comes first and the plan is made for the ranks
+present, ``startup_plan.py``, before step 1):
 
 1. check the flags (``TrainConfig``), load the plan and check it against WORLD_SIZE
    and the runtime's needs (sum(lbs) == gbs; with --data-path every dataset prefix,
@@ -37,8 +39,8 @@ from megatron.hpp.data.datasets import DEFAULT_SPLIT, check_data, parse_split
 
 @dataclass(frozen=True)
 class TrainConfig:
-    plan: str
-    """Path of the plan JSON."""
+    plan: str | None
+    """Path of the plan JSON; None with ``startup``."""
     train_iters: int
     """Number of optimizer steps."""
     lr: float = 1e-3
@@ -108,6 +110,9 @@ class TrainConfig:
     not only the sizes and the small files."""
     exit_signal_handler: bool = False
     """On SIGTERM, finish the iteration, save (with ``save``) and exit 0 (``failures.ExitSignal``)."""
+    startup: object = None
+    """A ``startup_plan.PlanRequest``: plan at start-up for the ranks present instead of
+    reading ``plan`` (``pretrain_gpt.py --hpp-cluster``)."""
 
     def __post_init__(self):
         if self.train_iters <= 0:
@@ -192,14 +197,16 @@ def _env_int(name: str, default: int) -> int:
         raise SpecError(f"environment {name}={value!r} is not an integer") from None
 
 
-def prepare(cfg: TrainConfig):
+def prepare(cfg: TrainConfig, plan=None):
     """Step 1 (no process group; torch is imported only to read a --load checkpoint's
-    metadata): returns (plan, layout, rank)."""
+    metadata): returns (plan, layout, rank).  ``plan``: the plan made at start-up
+    (``startup_plan``), else ``cfg.plan`` is read."""
     from eth.layout.blocks import GradLayout
     from eth.spec.plan_flags import check_plan_flags
     from megatron.hpp.parallel.topology import check_plan
 
-    plan = load_plan(cfg.plan)
+    if plan is None:
+        plan = load_plan(cfg.plan)
     check_plan_flags(plan, cfg.plan_flags)
     world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     if "WORLD_SIZE" not in os.environ and plan.world_size != 1:
@@ -227,6 +234,19 @@ def prepare(cfg: TrainConfig):
     if cfg.save_params is not None:
         check_output_file(cfg.save_params, "--save-params")
     return plan, layout, rank
+
+
+def plan_at_startup(cfg: TrainConfig):
+    """The default group, then the plan for the ranks present (``startup_plan``)."""
+    from megatron.hpp import compat
+    from megatron.hpp.training.startup_plan import startup_plan
+
+    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise SpecError(f"WORLD_SIZE {world} needs MASTER_ADDR and MASTER_PORT (torchrun sets them)")
+    backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
+    init_default_group(backend.name, rank, world, cfg.distributed_timeout_minutes)
+    return startup_plan(cfg.startup, cfg.save, rank, compat.device_name(backend))
 
 
 def check_iterations_left(cfg: TrainConfig, iteration: int) -> None:
@@ -545,7 +565,7 @@ def run(cfg: TrainConfig) -> int:
 
     try:
         with checking_input():
-            _, layout, rank = prepare(cfg)
+            _, layout, rank = prepare(cfg, plan_at_startup(cfg) if cfg.startup is not None else None)
     except SpecError as exc:
         report_error(str(exc))   # every rank finds it, one prints it
         return 2

@@ -1,0 +1,232 @@
+"""Plan at start-up (``pretrain_gpt.py --hpp-cluster FLEET.yaml``): the plan is made for
+the processes the launcher actually started, not written beforehand.
+
+1. Every rank finds its device type (:func:`device_type`): ``HPP_DEVICE_TYPE`` if set
+   (a comma-separated list: the entry of its LOCAL_RANK, for one host emulating several
+   types), else the fleet's type every part of whose name the CUDA device's product name
+   contains ("A100-40GB" in "NVIDIA A100-SXM4-40GB"; the longest such name), else the fleet's only type; and its host (``HPP_HOST`` as the launch
+   scripts set it, else the host name).  One ``all_gather_object`` collects them.
+2. Rank 0 builds the cluster of what is present (:func:`present_cluster`): the fleet
+   file's device types and links, one node per run of consecutive ranks on one host with
+   one device type, in rank order, so the plan's ranks are the launcher's.
+3. With ``--save DIR``, a plan stored there (:data:`PLAN_FILE`) made for the same
+   membership and the same request (model, global batch, training setup, profiles,
+   fleet file) is used again; otherwise rank 0 searches (``eth.planner.job.plan_job``,
+   the planner of tools/search_hpp.py) and, with ``--save``, writes the plan there
+   atomically, its membership and request in ``plan.search["startup"]``, and appends
+   one line to :data:`HISTORY_FILE` (time, membership, predicted iteration time, whether
+   the plan was reused).
+4. Rank 0 broadcasts the plan (or the one-line error: every rank raises it, exit 2).
+
+A rank whose type cannot be found, or a type the fleet file does not list, is one line
+naming the rank, its host and what to set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eth.errors import SpecError
+
+PLAN_FILE = "hpp-plan.json"
+"""The plan made at start-up, beside the checkpoints in the --save folder."""
+HISTORY_FILE = "hpp-plans.jsonl"
+"""One JSON line per start-up: time, membership, predicted ms, reused or searched."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank as the launcher started it."""
+
+    rank: int
+    host: str
+    device_type: str | None
+    """None: not found (:func:`device_type`)."""
+    device_name: str | None = None
+    """The CUDA product name, if any."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the plan is searched for, besides the membership (pretrain_gpt.py's flags)."""
+
+    cluster: str
+    """The fleet YAML: device types and links (its nodes are not read)."""
+    model: str
+    """Preset name, model YAML or HuggingFace config.json."""
+    gbs: int
+    model_overrides: dict = field(default_factory=dict)
+    """Megatron's model flags ({argparse dest: value})."""
+    profiles: str | None = None
+    """Profile file or folder (None: analytic profiles)."""
+    precision: str = "bf16"
+    zero_stage: int = 0
+    grad_reduce: str = "fp32"
+    time_limit: float = 0.0
+    """Seconds for the search, 0 = none."""
+
+    def identity(self) -> dict:
+        """What a stored plan must have been made for to be used again: the request with
+        the fleet file's content (not its path)."""
+        out = asdict(self)
+        out["cluster"] = Path(self.cluster).read_text()
+        out.pop("time_limit")
+        return out
+
+
+def device_type(fleet, env=os.environ, name: str | None = None) -> str | None:
+    """This rank's device type among ``fleet.types`` (module docstring, step 1); None when
+    nothing tells."""
+    given = env.get("HPP_DEVICE_TYPE")
+    if given and "," in given:        # one entry per local rank (one host emulating several types)
+        entries = [t.strip() for t in given.split(",")]
+        local = int(env.get("LOCAL_RANK", "0") or 0)
+        if local >= len(entries):
+            raise SpecError(f"HPP_DEVICE_TYPE={given} names {len(entries)} device types, LOCAL_RANK is {local}")
+        return entries[local]
+    if given:
+        return given
+    if name:   # every part of the type's name ("A100", "40GB") in the product name, the longest such type
+        have = re.sub(r"[^a-z0-9]", "", name.lower())
+        matches = [t for t in fleet.types if all(part in have for part in re.split(r"[^a-z0-9]+", t.lower()) if part)]
+        if matches:
+            return max(matches, key=len)
+    if len(fleet.types) == 1:
+        return next(iter(fleet.types))
+    return None
+
+
+def local_member(fleet, rank: int, name: str | None = None) -> Member:
+    host = os.environ.get("HPP_HOST") or socket.gethostname()
+    return Member(rank, host, device_type(fleet, name=name), name)
+
+
+def present_cluster(fleet, members) -> "object":
+    """The eth.spec.cluster.Cluster of ``members`` (sorted by rank): the fleet's types and
+    links, one node per run of consecutive ranks with one host and one type."""
+    from eth.spec.cluster import Cluster
+
+    members = sorted(members, key=lambda m: m.rank)
+    for m in members:
+        if m.device_type is None:
+            raise SpecError(f"rank {m.rank} on host {m.host}: its device type is not known"
+                            + (f" (device {m.device_name})" if m.device_name else "")
+                            + f"; set HPP_DEVICE_TYPE to one of the fleet's types "
+                              f"({', '.join(sorted(fleet.types))})")
+        if m.device_type not in fleet.types:
+            raise SpecError(f"rank {m.rank} on host {m.host} is a {m.device_type}, which the fleet file "
+                            f"does not list (its types: {', '.join(sorted(fleet.types))})")
+    nodes: list[list] = []
+    for m in members:
+        if nodes and nodes[-1][0] == (m.host, m.device_type):
+            nodes[-1][1] += 1
+        else:
+            nodes.append([(m.host, m.device_type), 1])
+    data = dict(fleet.to_dict(), name=f"{fleet.name}-present",
+                nodes=[{"type": t, "devices_per_node": n, "count": 1} for (_, t), n in nodes])
+    return Cluster.from_dict(data)
+
+
+def membership(members) -> list[list]:
+    """[host, device type, ranks] per node of :func:`present_cluster`, for the record."""
+    out: list[list] = []
+    for m in sorted(members, key=lambda m: m.rank):
+        if out and out[-1][:2] == [m.host, m.device_type]:
+            out[-1][2] += 1
+        else:
+            out.append([m.host, m.device_type, 1])
+    return out
+
+
+def stored_plan(save: str | None, request: PlanRequest, members):
+    """The plan in ``save`` made for this membership and request, or None."""
+    from eth.spec.plan import load_plan
+
+    if save is None or not (Path(save) / PLAN_FILE).exists():
+        return None
+    try:
+        plan = load_plan(Path(save) / PLAN_FILE)
+    except (SpecError, ValueError, OSError):
+        return None
+    made = plan.search.get("startup") or {}
+    if made.get("membership") == membership(members) and made.get("request") == request.identity():
+        return plan
+    return None
+
+
+def plan_for(request: PlanRequest, members, save: str | None):
+    """Rank 0's part: the stored plan or a new search (module docstring, steps 2-3)."""
+    from eth.spec.cluster import load_cluster
+
+    fleet = load_cluster(request.cluster)
+    cluster = present_cluster(fleet, members)
+    plan = stored_plan(save, request, members)
+    reused = plan is not None
+    if plan is None:
+        plan = search_for(request, cluster)
+        plan.search["startup"] = {"membership": membership(members), "request": request.identity()}
+        if save is not None:
+            Path(save).mkdir(parents=True, exist_ok=True)
+            plan.save(Path(save) / PLAN_FILE)
+    if save is not None:
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "membership": membership(members),
+                "predicted_ms": round(plan.predicted["iteration_ms"], 3), "reused": reused}
+        with (Path(save) / HISTORY_FILE).open("a") as fh:
+            fh.write(json.dumps(line) + "\n")
+    return plan, reused
+
+
+def search_for(request: PlanRequest, cluster):
+    from eth.planner.job import plan_job
+    from eth.planner.options import SearchOptions
+    from eth.spec.model_source import apply_overrides, load_model
+    from eth.spec.precision import TrainSetup
+
+    model = apply_overrides(load_model(request.model, request.model_overrides.get("seq_length")),
+                            request.model_overrides)
+    options = SearchOptions(gbs=request.gbs, time_limit=request.time_limit, progress=False,
+                            setup=TrainSetup(request.precision, request.zero_stage, request.grad_reduce))
+    return plan_job(model, cluster, request.profiles, options)
+
+
+def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name: str | None = None):
+    """Collective over the default group (module docstring): every rank returns the same
+    plan, or raises the same SpecError."""
+    import torch.distributed as dist
+
+    from eth.spec.cluster import load_cluster
+    from eth.spec.plan import Plan
+
+    me = local_member(load_cluster(request.cluster), rank, device_name)
+    members = [None] * dist.get_world_size()
+    dist.all_gather_object(members, me)
+    payload = [None]
+    if rank == 0:
+        failure = None
+        try:
+            plan, reused = plan_for(request, members, save)
+            payload[0] = ("plan", plan.to_dict(), reused)
+        except SpecError as exc:
+            payload[0] = ("error", str(exc), False)
+        except Exception as exc:             # the other ranks must not wait for a plan that never comes
+            payload[0], failure = ("crash", f"{type(exc).__name__}: {exc}", False), exc
+        if failure is not None:
+            dist.broadcast_object_list(payload, src=0)
+            raise failure
+    dist.broadcast_object_list(payload, src=0)
+    kind, value, reused = payload[0]
+    if kind == "error":
+        raise SpecError(value)
+    if kind == "crash":
+        raise RuntimeError(f"planning at start-up failed on rank 0 ({value})")
+    plan = Plan.from_dict(value)
+    if rank == 0:
+        how = "the stored plan for this membership" if reused else "a new plan"
+        print(f"plan at start-up: {how}, {', '.join(f'{n}x{t} on {h}' for h, t, n in membership(members))}, "
+              f"predicted {plan.predicted['iteration_ms']:.1f} ms per iteration", flush=True)
+    return plan

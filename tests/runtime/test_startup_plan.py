@@ -1,0 +1,120 @@
+"""Plan at start-up (pretrain_gpt.py --hpp-cluster, megatron/hpp/training/startup_plan.py):
+the device type of each rank, the cluster of the ranks present, reuse of a stored plan,
+bad input, and one launch that plans for 4 ranks and trains to the single-process losses."""
+import json
+
+import pytest
+import torch
+
+from eth.errors import SpecError
+from eth.spec.cluster import load_cluster
+from eth.spec.model import get_model
+from megatron.hpp.training.startup_plan import (HISTORY_FILE, PLAN_FILE, Member, PlanRequest, device_type,
+                                                membership, plan_for, present_cluster)
+
+from _rt_reference import train_reference
+from _rt_spawn import REPO, launch
+
+DEMO = REPO / "examples" / "clusters" / "cpu-demo.yaml"
+PROFILES = str(REPO / "profiles" / "measured" / "cpu.json")
+
+
+def test_device_type_from_env_list_cuda_name_or_the_only_type():
+    fleet = load_cluster(DEMO)
+    assert device_type(fleet, {"HPP_DEVICE_TYPE": "cpu-slow"}) == "cpu-slow"
+    assert device_type(fleet, {"HPP_DEVICE_TYPE": "cpu-fast, cpu-slow", "LOCAL_RANK": "1"}) == "cpu-slow"
+    with pytest.raises(SpecError, match="names 2 device types, LOCAL_RANK is 2"):
+        device_type(fleet, {"HPP_DEVICE_TYPE": "cpu-fast,cpu-slow", "LOCAL_RANK": "2"})
+    assert device_type(fleet, {}) is None                      # two types, nothing tells
+    mixed = load_cluster(REPO / "examples" / "clusters" / "mixed4-64.yaml")
+    assert device_type(mixed, {}, "NVIDIA A100-SXM4-40GB") == "A100-40GB"   # the longest name it contains
+    assert device_type(mixed, {}, "NVIDIA A100-SXM4-80GB") == "A100"
+    assert device_type(mixed, {}, "NVIDIA GeForce RTX 3090") == "RTX3090"
+    one = load_cluster(REPO / "examples" / "clusters" / "b2b4-64.yaml")
+    assert device_type(one, {}, "Ascend910B2") == "910B2"
+
+
+def test_present_cluster_is_one_node_per_host_and_type_run_in_rank_order():
+    fleet = load_cluster(DEMO)
+    members = [Member(2, "b", "cpu-slow"), Member(0, "a", "cpu-fast"), Member(1, "a", "cpu-fast"),
+               Member(3, "b", "cpu-fast")]
+    c = present_cluster(fleet, members)
+    assert [(g.type, g.devices_per_node, g.count) for g in c.nodes] == [("cpu-fast", 2, 1), ("cpu-slow", 1, 1),
+                                                                         ("cpu-fast", 1, 1)]
+    assert [d.type for d in c.devices] == ["cpu-fast", "cpu-fast", "cpu-slow", "cpu-fast"]
+    assert c.types["cpu-slow"].emulate_speed == fleet.types["cpu-slow"].emulate_speed
+    assert c.inter_node_gbps == fleet.inter_node_gbps
+    assert membership(members) == [["a", "cpu-fast", 2], ["b", "cpu-slow", 1], ["b", "cpu-fast", 1]]
+    with pytest.raises(SpecError) as err:
+        present_cluster(fleet, [Member(0, "a", "cpu-fast"), Member(1, "gpu7", None, "NVIDIA H100")])
+    assert str(err.value) == ("rank 1 on host gpu7: its device type is not known (device NVIDIA H100); set "
+                              "HPP_DEVICE_TYPE to one of the fleet's types (cpu-fast, cpu-slow)")
+    with pytest.raises(SpecError, match="rank 0 on host a is a H100, which the fleet file does not list"):
+        present_cluster(fleet, [Member(0, "a", "H100")])
+
+
+def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_path):
+    request = PlanRequest(str(DEMO), "tiny", 16, profiles=PROFILES, precision="fp32")
+    four = [Member(r, "vm", "cpu-fast" if r < 2 else "cpu-slow") for r in range(4)]
+    plan, reused = plan_for(request, four, str(tmp_path))
+    assert not reused and plan.world_size == 4
+    assert plan.search["startup"]["membership"] == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 2]]
+    again, reused = plan_for(request, four, str(tmp_path))
+    assert reused and again.to_dict() == plan.to_dict()
+    other_batch, reused = plan_for(PlanRequest(str(DEMO), "tiny", 8, profiles=PROFILES, precision="fp32"), four,
+                                   str(tmp_path))
+    assert not reused and other_batch.gbs == 8
+    three, reused = plan_for(request, four[:3], str(tmp_path))
+    assert not reused and three.world_size == 3
+    assert [s.device_type for p in three.pipelines for s in p.stages].count("cpu-slow") >= 1
+    lines = [json.loads(line) for line in (tmp_path / HISTORY_FILE).read_text().splitlines()]
+    assert [line["reused"] for line in lines] == [False, True, False, False]
+    assert lines[-1]["membership"] == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
+    assert lines[-1]["predicted_ms"] == pytest.approx(three.predicted["iteration_ms"], abs=1e-3)
+    assert json.loads((tmp_path / PLAN_FILE).read_text())["search"]["startup"]["membership"] == \
+        lines[-1]["membership"]
+    with pytest.raises(SpecError, match="gpt3-175b needs .* GB for weights"):   # no plan fits: one line
+        plan_for(PlanRequest(str(DEMO), "gpt3-175b", 16), four, None)
+
+
+def test_flags_of_the_two_ways_to_get_a_plan(capsys):
+    import pretrain_gpt
+
+    base = ["--train-iters", "2"]
+    for argv, line in [
+            (base, "give --hpp-plan PLAN.json (a plan made by tools/search_hpp.py) or --hpp-cluster FLEET.yaml "
+                   "(plan at start-up), not neither"),
+            (base + ["--hpp-plan", "p.json", "--hpp-cluster", str(DEMO)], "not both"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "tiny"],
+             "--hpp-cluster plans at start-up: give --model and --global-batch-size"),
+            (base + ["--hpp-plan", "p.json", "--model", "tiny"], "--model tiny is read with --hpp-cluster only"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "nope", "--global-batch-size", "16"], "nope"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
+                     "--hpp-profiles", "/nonexistent"], "--hpp-profiles /nonexistent does not exist")]:
+        assert pretrain_gpt.config(argv) is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], (argv, err)
+    cfg = pretrain_gpt.config(base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
+                                      "--fp32", "--zero-stage", "1", "--hpp-time-limit", "5"])
+    assert cfg.plan is None and cfg.startup == PlanRequest(str(DEMO), "tiny", 16, {}, None, "fp32", 1, "fp32", 5.0)
+
+
+@pytest.mark.slow
+def test_four_ranks_plan_at_start_up_and_train_to_the_single_process_losses(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16", "--fp32",
+            "--hpp-profiles", PROFILES, "--train-iters", "3", "--save", str(ckpt),
+            "--save-params", str(tmp_path / "a.pt")]
+    ranks = launch(4, args, extra_env={"HPP_DEVICE_TYPE": "cpu-fast,cpu-fast,cpu-slow,cpu-slow",
+                                       "HPP_HOST": "node-a"})
+    for r in ranks:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.stderr[-3000:]}"
+    said = [line for line in ranks[0].stdout.splitlines() if line.startswith("plan at start-up")]
+    assert said == [f"plan at start-up: a new plan, 2xcpu-fast on node-a, 2xcpu-slow on node-a, predicted "
+                    f"{json.loads((ckpt / PLAN_FILE).read_text())['predicted']['iteration_ms']:.1f} ms per iteration"]
+    assert all("plan at start-up" not in r.stdout for r in ranks[1:])
+    got = torch.load(tmp_path / "a.pt")
+    ref_losses, ref_params = train_reference(get_model("tiny"), 16, 3)
+    assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    worst = max((got["params"][k] - ref_params[k]).abs().max().item() for k in ref_params)
+    assert worst < 1e-5, f"largest parameter difference {worst:.3g}"
