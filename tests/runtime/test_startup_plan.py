@@ -9,8 +9,8 @@ import torch
 from eth.errors import SpecError
 from eth.spec.cluster import load_cluster
 from eth.spec.model import get_model
-from megatron.hpp.training.startup_plan import (HISTORY_FILE, PLAN_FILE, Member, PlanRequest, device_type,
-                                                membership, plan_for, present_cluster)
+from megatron.hpp.training.startup_plan import (HISTORY_FILE, PLAN_FILE, PLANS_DIR, Member, PlanRequest,
+                                                device_type, membership, plan_for, present_cluster)
 
 from _rt_reference import train_reference
 from _rt_spawn import REPO, launch
@@ -56,23 +56,27 @@ def test_present_cluster_is_one_node_per_host_and_type_run_in_rank_order():
 def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_path):
     request = PlanRequest(str(DEMO), "tiny", 16, profiles=PROFILES, precision="fp32")
     four = [Member(r, "vm", "cpu-fast" if r < 2 else "cpu-slow") for r in range(4)]
-    plan, reused = plan_for(request, four, str(tmp_path))
-    assert not reused and plan.world_size == 4
+    plan, reused, previous = plan_for(request, four, str(tmp_path))
+    assert not reused and previous is None and plan.world_size == 4
     assert plan.search["startup"]["membership"] == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 2]]
-    again, reused = plan_for(request, four, str(tmp_path))
-    assert reused and again.to_dict() == plan.to_dict()
-    other_batch, reused = plan_for(PlanRequest(str(DEMO), "tiny", 8, profiles=PROFILES, precision="fp32"), four,
-                                   str(tmp_path))
+    again, reused, previous = plan_for(request, four, str(tmp_path))
+    assert reused and again.to_dict() == plan.to_dict() and previous == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 2]]
+    other_batch, reused, _ = plan_for(PlanRequest(str(DEMO), "tiny", 8, profiles=PROFILES, precision="fp32"), four,
+                                      str(tmp_path))
     assert not reused and other_batch.gbs == 8
-    three, reused = plan_for(request, four[:3], str(tmp_path))
+    three, reused, _ = plan_for(request, four[:3], str(tmp_path))
     assert not reused and three.world_size == 3
     assert [s.device_type for p in three.pipelines for s in p.stages].count("cpu-slow") >= 1
-    lines = [json.loads(line) for line in (tmp_path / HISTORY_FILE).read_text().splitlines()]
-    assert [line["reused"] for line in lines] == [False, True, False, False]
-    assert lines[-1]["membership"] == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
-    assert lines[-1]["predicted_ms"] == pytest.approx(three.predicted["iteration_ms"], abs=1e-3)
     assert json.loads((tmp_path / PLAN_FILE).read_text())["search"]["startup"]["membership"] == \
-        lines[-1]["membership"]
+        [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
+    back, reused, previous = plan_for(request, four, str(tmp_path))     # the fleet grows back: its earlier plan
+    assert reused and back.to_dict() == plan.to_dict() and previous == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
+    lines = [json.loads(line) for line in (tmp_path / HISTORY_FILE).read_text().splitlines()]
+    assert [line["reused"] for line in lines] == [False, True, False, False, True]
+    assert lines[3]["membership"] == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
+    assert lines[3]["predicted_ms"] == pytest.approx(three.predicted["iteration_ms"], abs=1e-3)
+    assert lines[0]["plan"] == lines[4]["plan"] != lines[3]["plan"] and (tmp_path / lines[3]["plan"]).is_file()
+    assert len(list((tmp_path / PLANS_DIR).iterdir())) == 3
     with pytest.raises(SpecError, match="gpt3-175b needs .* GB for weights"):   # no plan fits: one line
         plan_for(PlanRequest(str(DEMO), "gpt3-175b", 16), four, None)
 

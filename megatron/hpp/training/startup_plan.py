@@ -9,13 +9,16 @@ the processes the launcher actually started, not written beforehand.
 2. Rank 0 builds the cluster of what is present (:func:`present_cluster`): the fleet
    file's device types and links, one node per run of consecutive ranks on one host with
    one device type, in rank order, so the plan's ranks are the launcher's.
-3. With ``--save DIR``, a plan stored there (:data:`PLAN_FILE`) made for the same
-   membership and the same request (model, global batch, training setup, profiles,
-   fleet file) is used again; otherwise rank 0 searches (``eth.planner.job.plan_job``,
-   the planner of tools/search_hpp.py) and, with ``--save``, writes the plan there
-   atomically, its membership and request in ``plan.search["startup"]``, and appends
-   one line to :data:`HISTORY_FILE` (time, membership, predicted iteration time, whether
-   the plan was reused).
+3. With ``--save DIR``, a plan stored there (:data:`PLANS_DIR`, one file per membership
+   and request) made for the same membership and the same request (model, global batch,
+   training setup, profiles, fleet file) is used again -- a fleet that shrinks and grows
+   back returns to its earlier plan; otherwise rank 0 searches
+   (``eth.planner.job.plan_job``, the planner of tools/search_hpp.py) and, with
+   ``--save``, writes the plan there atomically, its membership and request in
+   ``plan.search["startup"]``.  The plan of the latest start is also :data:`PLAN_FILE`,
+   and every start appends one line to :data:`HISTORY_FILE` (time, membership,
+   predicted iteration time, whether the plan was reused, its file); rank 0 prints the
+   membership, the previous start's when it differs, and the predicted time.
 4. Rank 0 broadcasts the plan (or the one-line error: every rank raises it, exit 2).
 
 A rank whose type cannot be found, or a type the fleet file does not list, is one line
@@ -23,6 +26,7 @@ naming the rank, its host and what to set.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,9 +38,11 @@ from pathlib import Path
 from eth.errors import SpecError
 
 PLAN_FILE = "hpp-plan.json"
-"""The plan made at start-up, beside the checkpoints in the --save folder."""
+"""The plan of the latest start, beside the checkpoints in the --save folder."""
+PLANS_DIR = "hpp-plans"
+"""Every plan made at start-up, one file per (membership, request) (:func:`plan_key`)."""
 HISTORY_FILE = "hpp-plans.jsonl"
-"""One JSON line per start-up: time, membership, predicted ms, reused or searched."""
+"""One JSON line per start: time, membership, predicted ms, reused or searched, plan file."""
 
 
 @dataclass(frozen=True)
@@ -143,14 +149,23 @@ def membership(members) -> list[list]:
     return out
 
 
+def plan_key(request: PlanRequest, members) -> str:
+    """A short name for (membership, request): the file of :data:`PLANS_DIR` holding its plan."""
+    blob = json.dumps({"membership": membership(members), "request": request.identity()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def stored_plan(save: str | None, request: PlanRequest, members):
     """The plan in ``save`` made for this membership and request, or None."""
     from eth.spec.plan import load_plan
 
-    if save is None or not (Path(save) / PLAN_FILE).exists():
+    if save is None:
+        return None
+    path = Path(save) / PLANS_DIR / f"{plan_key(request, members)}.json"
+    if not path.exists():
         return None
     try:
-        plan = load_plan(Path(save) / PLAN_FILE)
+        plan = load_plan(path)
     except (SpecError, ValueError, OSError):
         return None
     made = plan.search.get("startup") or {}
@@ -159,8 +174,17 @@ def stored_plan(save: str | None, request: PlanRequest, members):
     return None
 
 
+def history(save: str | None) -> list[dict]:
+    """The lines of :data:`HISTORY_FILE` in ``save`` (none without it)."""
+    path = Path(save) / HISTORY_FILE if save is not None else None
+    if path is None or not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def plan_for(request: PlanRequest, members, save: str | None):
-    """Rank 0's part: the stored plan or a new search (module docstring, steps 2-3)."""
+    """Rank 0's part: the stored plan or a new search (module docstring, steps 2-3);
+    returns (plan, reused, the membership of the previous start or None)."""
     from eth.spec.cluster import load_cluster
 
     fleet = load_cluster(request.cluster)
@@ -171,14 +195,18 @@ def plan_for(request: PlanRequest, members, save: str | None):
         plan = search_for(request, cluster)
         plan.search["startup"] = {"membership": membership(members), "request": request.identity()}
         if save is not None:
-            Path(save).mkdir(parents=True, exist_ok=True)
-            plan.save(Path(save) / PLAN_FILE)
+            (Path(save) / PLANS_DIR).mkdir(parents=True, exist_ok=True)
+            plan.save(Path(save) / PLANS_DIR / f"{plan_key(request, members)}.json")
+    before = history(save)
+    previous = before[-1]["membership"] if before else None
     if save is not None:
+        plan.save(Path(save) / PLAN_FILE)
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "membership": membership(members),
-                "predicted_ms": round(plan.predicted["iteration_ms"], 3), "reused": reused}
+                "predicted_ms": round(plan.predicted["iteration_ms"], 3), "reused": reused,
+                "plan": f"{PLANS_DIR}/{plan_key(request, members)}.json"}
         with (Path(save) / HISTORY_FILE).open("a") as fh:
             fh.write(json.dumps(line) + "\n")
-    return plan, reused
+    return plan, reused, previous
 
 
 def search_for(request: PlanRequest, cluster):
@@ -209,8 +237,8 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
     if rank == 0:
         failure = None
         try:
-            plan, reused = plan_for(request, members, save)
-            payload[0] = ("plan", plan.to_dict(), reused)
+            plan, reused, previous = plan_for(request, members, save)
+            payload[0] = ("plan", plan.to_dict(), (reused, previous))
         except SpecError as exc:
             payload[0] = ("error", str(exc), False)
         except Exception as exc:             # the other ranks must not wait for a plan that never comes
@@ -219,14 +247,22 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
             dist.broadcast_object_list(payload, src=0)
             raise failure
     dist.broadcast_object_list(payload, src=0)
-    kind, value, reused = payload[0]
+    kind, value, extra = payload[0]
     if kind == "error":
         raise SpecError(value)
     if kind == "crash":
         raise RuntimeError(f"planning at start-up failed on rank 0 ({value})")
     plan = Plan.from_dict(value)
     if rank == 0:
+        reused, previous = extra
         how = "the stored plan for this membership" if reused else "a new plan"
-        print(f"plan at start-up: {how}, {', '.join(f'{n}x{t} on {h}' for h, t, n in membership(members))}, "
-              f"predicted {plan.predicted['iteration_ms']:.1f} ms per iteration", flush=True)
+        now = membership(members)
+        change = "" if previous in (None, now) else f" (the last start had {describe(previous)})"
+        print(f"plan at start-up: {how}, {describe(now)}{change}, predicted "
+              f"{plan.predicted['iteration_ms']:.1f} ms per iteration", flush=True)
     return plan
+
+
+def describe(nodes) -> str:
+    """``2xcpu-fast on vm, 1xcpu-slow on vm`` of a :func:`membership`."""
+    return ", ".join(f"{n}x{t} on {h}" for h, t, n in nodes)
