@@ -1,7 +1,7 @@
 """Elastic run (docs/RUNTIME.md, "Elastic runs"): the CPU demo cluster as four torchrun
-agents of one process each (one agent per "node", c10d rendezvous on localhost,
---nnodes 3:4 --max-restarts 2), planning at start-up (--hpp-cluster) and resuming from
-the --save folder.  One agent is killed (-9) mid-run: the three survivors re-rendezvous,
+agents of one process each (examples/slurm/elastic-node.sh once per "node", c10d
+rendezvous on localhost, --nnodes 3:4 --max-restarts 2), planning at start-up
+(--hpp-cluster) and resuming from the --save folder.  One agent is killed (-9) mid-run: the three survivors re-rendezvous,
 re-plan (another plan, recorded), resume from the last checkpoint; then the fourth
 agent starts again: the agents stop their workers (SIGTERM: --exit-signal-handler saves),
 and four ranks go on under the first plan, used again.  The losses and parameters of
@@ -30,19 +30,18 @@ DEADLINE_S = 420.0
 
 
 def _agent(i: int, port: int, tmp_path):
+    """Agent i: examples/slurm/elastic-node.sh as srun would start it on node i."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HPP_HOST=f"node-{i}",
-               HPP_DEVICE_TYPE=TYPES[i], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+               HPP_DEVICE_TYPE=TYPES[i], FLEET=str(REPO / "examples" / "clusters" / "cpu-demo.yaml"),
+               SAVE=str(tmp_path / "ckpt"), RDZV_ENDPOINT=f"127.0.0.1:{port}", NNODES="3:4", MAX_RESTARTS="2",
+               RUN_ID="hpp-elastic-test", RDZV_CONF="last_call_timeout=2,join_timeout=120", MONITOR_INTERVAL="0.5",
+               PYTHON=sys.executable)
     log = open(tmp_path / f"agent{i}-{time.monotonic_ns()}.log", "w")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3:4", "--nproc-per-node", "1",
-           "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", "hpp-elastic-test", "--rdzv-conf", "last_call_timeout=2,join_timeout=120",
-           "--monitor-interval", "0.5", str(REPO / "pretrain_gpt.py"),
-           "--hpp-cluster", str(REPO / "examples" / "clusters" / "cpu-demo.yaml"), "--model", "tiny",
+    cmd = ["bash", str(REPO / "examples" / "slurm" / "elastic-node.sh"), "--model", "tiny",
            "--global-batch-size", "16", "--fp32", "--hpp-profiles", str(REPO / "profiles" / "measured" / "cpu.json"),
-           "--train-iters", str(ITERS), "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
-           "--save-interval", "5", "--exit-signal-handler", "--distributed-timeout-minutes", "1",
+           "--train-iters", str(ITERS), "--save-interval", "5", "--distributed-timeout-minutes", "1",
            "--save-params", str(tmp_path / "params.pt")]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _children(pid: int) -> list[int]:
