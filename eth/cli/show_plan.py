@@ -4,6 +4,7 @@
     python tools/show_plan.py plan.json --png out.png
     python tools/show_plan.py plan.json --profiles profiles/ --optimizer-passes 3
     python tools/show_plan.py --legend           # what the headings and abbreviations mean
+    python tools/show_plan.py --history ckpt     # the plans made at start-up in a --save folder
 
 The plan's stored predictions (fwd/bwd ms, memory GB) are printed as they are; when
 the plan has none they are filled in from the cost model (marked as such).  Profiles:
@@ -46,7 +47,16 @@ def _main(argv=None) -> int:
                          "analytic entries fill what is missing)")
     ap.add_argument("--optimizer-passes", type=float, default=SimOptions.optimizer_passes,
                     help="memory passes of the optimizer step over bytes_per_param x params")
+    ap.add_argument("--history", metavar="DIR",
+                    help="the plans made at start-up in this --save folder (pretrain_gpt.py --hpp-cluster): one "
+                         "line per start, what joined and left; show one with its file in DIR/hpp-plans/")
     args = ap.parse_args(argv)
+    if args.history is not None:
+        from eth.spec.plan_history import format_history
+        if args.plan is not None:
+            raise SpecError("give a plan JSON file or --history DIR, not both")
+        print(format_history(args.history))
+        return 0
     if args.plan is None:
         if args.legend:
             print(format_legend())

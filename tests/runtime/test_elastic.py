@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from eth.spec.model import get_model
-from megatron.hpp.training.startup_plan import HISTORY_FILE
+from eth.spec.plan_history import HISTORY_FILE, format_history
 
 from _rt_reference import train_reference
 from _rt_spawn import REPO, free_port
@@ -102,6 +102,8 @@ def test_agents_die_and_rejoin_and_the_run_replans_resumes_and_matches_one_proce
     assert [line["reused"] for line in lines] == [False, False, True]
     assert lines[0]["plan"] == lines[2]["plan"] != lines[1]["plan"]
     assert lines[1]["predicted_ms"] != lines[0]["predicted_ms"]     # another plan for three ranks
+    shown = format_history(tmp_path / "ckpt").splitlines()
+    assert shown[2].endswith("[left: node-3 (cpu-slow)]") and shown[3].endswith("[joined: node-3 (cpu-slow)]")
     said = [line for line in logs.splitlines() if line.startswith("plan at start-up")]
     assert len(said) == 3 and "(the last start had 1xcpu-fast on node-0" in said[1], said
     assert "the stored plan for this membership" in said[2]

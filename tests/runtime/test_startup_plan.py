@@ -9,8 +9,9 @@ import torch
 from eth.errors import SpecError
 from eth.spec.cluster import load_cluster
 from eth.spec.model import get_model
-from megatron.hpp.training.startup_plan import (HISTORY_FILE, PLAN_FILE, PLANS_DIR, Member, PlanRequest,
-                                                device_type, membership, plan_for, present_cluster)
+from eth.spec.plan_history import HISTORY_FILE, PLAN_FILE, PLANS_DIR, format_history
+from megatron.hpp.training.startup_plan import (Member, PlanRequest, device_type, membership, plan_for,
+                                                present_cluster)
 
 from _rt_reference import train_reference
 from _rt_spawn import REPO, launch
@@ -77,6 +78,13 @@ def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_pat
     assert lines[3]["predicted_ms"] == pytest.approx(three.predicted["iteration_ms"], abs=1e-3)
     assert lines[0]["plan"] == lines[4]["plan"] != lines[3]["plan"] and (tmp_path / lines[3]["plan"]).is_file()
     assert len(list((tmp_path / PLANS_DIR).iterdir())) == 3
+    shown = format_history(tmp_path).splitlines()       # tools/show_plan.py --history
+    assert len(shown) == 6 and shown[1].split()[2:5] == ["4", "224.0", "searched"]
+    assert shown[4].endswith("1xcpu-slow on vm  [vm (cpu-slow) 2 -> 1 ranks]")
+    assert shown[5].endswith("[vm (cpu-slow) 1 -> 2 ranks]") and shown[5].split()[4] == "reused"
+    from eth.cli.show_plan import main as show_plan
+    assert show_plan(["--history", str(tmp_path)]) == 0
+    assert show_plan(["--history", str(tmp_path / "nothing")]) == 2
     with pytest.raises(SpecError, match="gpt3-175b needs .* GB for weights"):   # no plan fits: one line
         plan_for(PlanRequest(str(DEMO), "gpt3-175b", 16), four, None)
 

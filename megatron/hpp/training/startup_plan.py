@@ -36,13 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eth.errors import SpecError
+from eth.spec.plan_history import HISTORY_FILE, PLAN_FILE, PLANS_DIR, describe_membership, read_history
 
-PLAN_FILE = "hpp-plan.json"
-"""The plan of the latest start, beside the checkpoints in the --save folder."""
-PLANS_DIR = "hpp-plans"
-"""Every plan made at start-up, one file per (membership, request) (:func:`plan_key`)."""
-HISTORY_FILE = "hpp-plans.jsonl"
-"""One JSON line per start: time, membership, predicted ms, reused or searched, plan file."""
 
 
 @dataclass(frozen=True)
@@ -174,14 +169,6 @@ def stored_plan(save: str | None, request: PlanRequest, members):
     return None
 
 
-def history(save: str | None) -> list[dict]:
-    """The lines of :data:`HISTORY_FILE` in ``save`` (none without it)."""
-    path = Path(save) / HISTORY_FILE if save is not None else None
-    if path is None or not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def plan_for(request: PlanRequest, members, save: str | None):
     """Rank 0's part: the stored plan or a new search (module docstring, steps 2-3);
     returns (plan, reused, the membership of the previous start or None)."""
@@ -197,7 +184,7 @@ def plan_for(request: PlanRequest, members, save: str | None):
         if save is not None:
             (Path(save) / PLANS_DIR).mkdir(parents=True, exist_ok=True)
             plan.save(Path(save) / PLANS_DIR / f"{plan_key(request, members)}.json")
-    before = history(save)
+    before = read_history(save) if save is not None else []
     previous = before[-1]["membership"] if before else None
     if save is not None:
         plan.save(Path(save) / PLAN_FILE)
@@ -257,12 +244,7 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
         reused, previous = extra
         how = "the stored plan for this membership" if reused else "a new plan"
         now = membership(members)
-        change = "" if previous in (None, now) else f" (the last start had {describe(previous)})"
-        print(f"plan at start-up: {how}, {describe(now)}{change}, predicted "
+        change = "" if previous in (None, now) else f" (the last start had {describe_membership(previous)})"
+        print(f"plan at start-up: {how}, {describe_membership(now)}{change}, predicted "
               f"{plan.predicted['iteration_ms']:.1f} ms per iteration", flush=True)
     return plan
-
-
-def describe(nodes) -> str:
-    """``2xcpu-fast on vm, 1xcpu-slow on vm`` of a :func:`membership`."""
-    return ", ".join(f"{n}x{t} on {h}" for h, t, n in nodes)
