@@ -13,9 +13,14 @@ PLAN_FILE = "hpp-plan.json"
 """The plan of the latest start."""
 PLANS_DIR = "hpp-plans"
 """Every plan made at start-up, one file per (membership, request)."""
+PROGRESS_FILE = "hpp-progress.json"
+"""{"iteration": the last iteration a run planned at start-up completed}, rewritten by
+rank 0 after every iteration: at the next start, the iterations lost are this minus
+the iteration of the checkpoint resumed."""
 HISTORY_FILE = "hpp-plans.jsonl"
 """One JSON line per start: time, membership ([host, device type, ranks] per node),
-predicted iteration ms, whether a stored plan was reused, the plan's file."""
+predicted iteration ms, whether a stored plan was reused, the plan's file, the
+checkpoint iteration it resumes from and the iterations lost since it (None: unknown)."""
 
 
 def read_history(folder) -> list[dict]:
@@ -45,7 +50,8 @@ def format_history(folder) -> str:
     if not lines:
         raise SpecError(f"{Path(folder) / HISTORY_FILE} does not exist or is empty: no run planned at start-up "
                         f"(pretrain_gpt.py --hpp-cluster ... --save {folder}) has started there")
-    out = [f"{'start':<4} {'time (UTC)':<20} {'ranks':>5} {'predicted ms':>12} {'plan':<9} membership"]
+    out = [f"{'start':<4} {'time (UTC)':<20} {'ranks':>5} {'predicted ms':>12} {'plan':<9} {'resumes':>7} "
+           f"{'lost':>5} membership"]
     previous = None
     for k, line in enumerate(lines):
         nodes = line["membership"]
@@ -53,8 +59,10 @@ def format_history(folder) -> str:
         change = ""
         if previous is not None and previous != nodes:
             change = "  [" + "; ".join(_changes(previous, nodes)) + "]"
+        resumes, lost = line.get("resumes_at"), line.get("lost")
         out.append(f"{k:<4} {line['time']:<20} {ranks:>5} {line['predicted_ms']:>12.1f} "
-                   f"{'reused' if line['reused'] else 'searched':<9} {describe_membership(nodes)}{change}")
+                   f"{'reused' if line['reused'] else 'searched':<9} {'-' if resumes is None else resumes:>7} "
+                   f"{'-' if lost is None else lost:>5} {describe_membership(nodes)}{change}")
         previous = nodes
     return "\n".join(out)
 

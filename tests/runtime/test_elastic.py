@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from eth.spec.model import get_model
-from eth.spec.plan_history import HISTORY_FILE, format_history
+from eth.spec.plan_history import HISTORY_FILE, PROGRESS_FILE, format_history
 
 from _rt_reference import train_reference
 from _rt_spawn import REPO, free_port
@@ -84,6 +84,8 @@ def test_agents_die_and_rejoin_and_the_run_replans_resumes_and_matches_one_proce
         _wait("the first checkpoints", lambda: _latest(tmp_path) >= 10, start)
         for pid in [agents[3].pid, *_children(agents[3].pid)]:   # the agent and its worker, no goodbye
             os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)                   # the survivors cannot pass the iteration in progress
+        killed_at = json.loads((tmp_path / "ckpt" / PROGRESS_FILE).read_text())["iteration"]
         agents[3].wait()
         _wait("training on three ranks", lambda: len(_history(tmp_path)) >= 2 and _latest(tmp_path) >= 20, start)
         agents[3] = _agent(3, port, tmp_path)            # the node is back
@@ -109,6 +111,9 @@ def test_agents_die_and_rejoin_and_the_run_replans_resumes_and_matches_one_proce
     assert "the stored plan for this membership" in said[2]
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at iteration (\d+)", logs)]
     assert len(resumed) == 2 and 10 <= resumed[0] < resumed[1] < ITERS, resumed
+    assert [line["resumes_at"] for line in lines] == [None, *resumed]
+    assert lines[1]["lost"] == killed_at - resumed[0] and lines[2]["lost"] == 0, (lines, killed_at)
+    assert f"; {lines[1]['lost']} iteration(s) since the last checkpoint lost" in said[1]
     assert re.search(rf"SIGTERM received: stopped after iteration {resumed[1]}, checkpoint in", logs)
     got = torch.load(tmp_path / "params.pt")
     ref_losses, ref_params = train_reference(get_model("tiny"), 16, ITERS)

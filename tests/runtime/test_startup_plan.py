@@ -9,7 +9,7 @@ import torch
 from eth.errors import SpecError
 from eth.spec.cluster import load_cluster
 from eth.spec.model import get_model
-from eth.spec.plan_history import HISTORY_FILE, PLAN_FILE, PLANS_DIR, format_history
+from eth.spec.plan_history import HISTORY_FILE, PLAN_FILE, PLANS_DIR, PROGRESS_FILE, format_history
 from megatron.hpp.training.startup_plan import (Member, PlanRequest, device_type, membership, plan_for,
                                                 present_cluster)
 
@@ -57,20 +57,20 @@ def test_present_cluster_is_one_node_per_host_and_type_run_in_rank_order():
 def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_path):
     request = PlanRequest(str(DEMO), "tiny", 16, profiles=PROFILES, precision="fp32")
     four = [Member(r, "vm", "cpu-fast" if r < 2 else "cpu-slow") for r in range(4)]
-    plan, reused, previous = plan_for(request, four, str(tmp_path))
-    assert not reused and previous is None and plan.world_size == 4
+    plan, reused, previous, lost = plan_for(request, four, str(tmp_path))
+    assert not reused and previous is None and lost is None and plan.world_size == 4   # nothing to resume
     assert plan.search["startup"]["membership"] == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 2]]
-    again, reused, previous = plan_for(request, four, str(tmp_path))
+    again, reused, previous, _ = plan_for(request, four, str(tmp_path))
     assert reused and again.to_dict() == plan.to_dict() and previous == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 2]]
-    other_batch, reused, _ = plan_for(PlanRequest(str(DEMO), "tiny", 8, profiles=PROFILES, precision="fp32"), four,
+    other_batch, reused, *_ = plan_for(PlanRequest(str(DEMO), "tiny", 8, profiles=PROFILES, precision="fp32"), four,
                                       str(tmp_path))
     assert not reused and other_batch.gbs == 8
-    three, reused, _ = plan_for(request, four[:3], str(tmp_path))
+    three, reused, *_ = plan_for(request, four[:3], str(tmp_path))
     assert not reused and three.world_size == 3
     assert [s.device_type for p in three.pipelines for s in p.stages].count("cpu-slow") >= 1
     assert json.loads((tmp_path / PLAN_FILE).read_text())["search"]["startup"]["membership"] == \
         [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
-    back, reused, previous = plan_for(request, four, str(tmp_path))     # the fleet grows back: its earlier plan
+    back, reused, previous, _ = plan_for(request, four, str(tmp_path))     # the fleet grows back: its earlier plan
     assert reused and back.to_dict() == plan.to_dict() and previous == [["vm", "cpu-fast", 2], ["vm", "cpu-slow", 1]]
     lines = [json.loads(line) for line in (tmp_path / HISTORY_FILE).read_text().splitlines()]
     assert [line["reused"] for line in lines] == [False, True, False, False, True]
@@ -79,7 +79,7 @@ def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_pat
     assert lines[0]["plan"] == lines[4]["plan"] != lines[3]["plan"] and (tmp_path / lines[3]["plan"]).is_file()
     assert len(list((tmp_path / PLANS_DIR).iterdir())) == 3
     shown = format_history(tmp_path).splitlines()       # tools/show_plan.py --history
-    assert len(shown) == 6 and shown[1].split()[2:5] == ["4", "224.0", "searched"]
+    assert len(shown) == 6 and shown[1].split()[2:7] == ["4", "224.0", "searched", "-", "-"]
     assert shown[4].endswith("1xcpu-slow on vm  [vm (cpu-slow) 2 -> 1 ranks]")
     assert shown[5].endswith("[vm (cpu-slow) 1 -> 2 ranks]") and shown[5].split()[4] == "reused"
     from eth.cli.show_plan import main as show_plan
@@ -125,6 +125,7 @@ def test_four_ranks_plan_at_start_up_and_train_to_the_single_process_losses(tmp_
     assert said == [f"plan at start-up: a new plan, 2xcpu-fast on node-a, 2xcpu-slow on node-a, predicted "
                     f"{json.loads((ckpt / PLAN_FILE).read_text())['predicted']['iteration_ms']:.1f} ms per iteration"]
     assert all("plan at start-up" not in r.stdout for r in ranks[1:])
+    assert json.loads((ckpt / PROGRESS_FILE).read_text()) == {"iteration": 3}
     got = torch.load(tmp_path / "a.pt")
     ref_losses, ref_params = train_reference(get_model("tiny"), 16, 3)
     assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)

@@ -235,6 +235,11 @@ class Found:
     def lines(self) -> list[str]:
         return [f"checkpoint {p} is damaged ({why}): passed over" for p, why in self.damaged]
 
+    @property
+    def iteration(self) -> int | None:
+        """The iteration of :attr:`path` (None: no intact checkpoint)."""
+        return _iteration_of(self.path) if self.path is not None else None
+
 
 def find(root) -> Found:
     """The newest intact checkpoint under ``root`` (see the module docstring)."""

@@ -514,6 +514,10 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
             if stop:
                 raise TrainingStopped(stop)
             done = it + 1
+            if cfg.startup is not None and cfg.save and rank == 0:
+                from megatron.hpp.training.startup_plan import record_progress
+
+                record_progress(cfg.save, done)   # the next start counts the iterations lost
             if eval_due(done, cfg.train_iters, cfg.eval_interval, cfg.eval_iters):
                 with during(f"evaluation after iteration {done}", timeout):
                     valid[done] = evaluate(trainer, done)

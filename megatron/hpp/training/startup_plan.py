@@ -17,8 +17,10 @@ the processes the launcher actually started, not written beforehand.
    ``--save``, writes the plan there atomically, its membership and request in
    ``plan.search["startup"]``.  The plan of the latest start is also :data:`PLAN_FILE`,
    and every start appends one line to :data:`HISTORY_FILE` (time, membership,
-   predicted iteration time, whether the plan was reused, its file); rank 0 prints the
-   membership, the previous start's when it differs, and the predicted time.
+   predicted iteration time, whether the plan was reused, its file, the checkpoint it
+   resumes from and the iterations lost since it: rank 0 records each completed
+   iteration in :data:`PROGRESS_FILE`); rank 0 prints the membership, the previous
+   start's when it differs, the predicted time and the iterations lost.
 4. Rank 0 broadcasts the plan (or the one-line error: every rank raises it, exit 2).
 
 A rank whose type cannot be found, or a type the fleet file does not list, is one line
@@ -36,7 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eth.errors import SpecError
-from eth.spec.plan_history import HISTORY_FILE, PLAN_FILE, PLANS_DIR, describe_membership, read_history
+from eth.spec.plan_history import (HISTORY_FILE, PLAN_FILE, PLANS_DIR, PROGRESS_FILE, describe_membership,
+                                   read_history)
 
 
 
@@ -186,14 +189,39 @@ def plan_for(request: PlanRequest, members, save: str | None):
             plan.save(Path(save) / PLANS_DIR / f"{plan_key(request, members)}.json")
     before = read_history(save) if save is not None else []
     previous = before[-1]["membership"] if before else None
+    resumes, lost = resume_point(save)
     if save is not None:
         plan.save(Path(save) / PLAN_FILE)
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "membership": membership(members),
                 "predicted_ms": round(plan.predicted["iteration_ms"], 3), "reused": reused,
-                "plan": f"{PLANS_DIR}/{plan_key(request, members)}.json"}
+                "plan": f"{PLANS_DIR}/{plan_key(request, members)}.json", "resumes_at": resumes, "lost": lost}
         with (Path(save) / HISTORY_FILE).open("a") as fh:
             fh.write(json.dumps(line) + "\n")
-    return plan, reused, previous
+    return plan, reused, previous, lost
+
+
+def resume_point(save: str | None) -> tuple[int | None, int | None]:
+    """(iteration of the newest intact checkpoint in ``save``, iterations the last run
+    completed beyond it by :data:`PROGRESS_FILE`); None where unknown."""
+    from megatron.hpp.training.checkpoint import find
+
+    if save is None or not Path(save).is_dir():
+        return None, None
+    at = find(save).iteration
+    try:
+        reached = json.loads((Path(save) / PROGRESS_FILE).read_text())["iteration"]
+    except (OSError, ValueError, KeyError, TypeError):
+        reached = None
+    if at is None or reached is None:
+        return at, None
+    return at, max(0, reached - at)
+
+
+def record_progress(save: str, iteration: int) -> None:
+    """Rank 0, after each iteration of a run planned at start-up (:data:`PROGRESS_FILE`)."""
+    from eth.fileio import atomic_write_text
+
+    atomic_write_text(Path(save) / PROGRESS_FILE, json.dumps({"iteration": iteration}) + "\n")
 
 
 def search_for(request: PlanRequest, cluster):
@@ -224,8 +252,8 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
     if rank == 0:
         failure = None
         try:
-            plan, reused, previous = plan_for(request, members, save)
-            payload[0] = ("plan", plan.to_dict(), (reused, previous))
+            plan, reused, previous, lost = plan_for(request, members, save)
+            payload[0] = ("plan", plan.to_dict(), (reused, previous, lost))
         except SpecError as exc:
             payload[0] = ("error", str(exc), False)
         except Exception as exc:             # the other ranks must not wait for a plan that never comes
@@ -241,10 +269,11 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
         raise RuntimeError(f"planning at start-up failed on rank 0 ({value})")
     plan = Plan.from_dict(value)
     if rank == 0:
-        reused, previous = extra
+        reused, previous, lost = extra
         how = "the stored plan for this membership" if reused else "a new plan"
         now = membership(members)
         change = "" if previous in (None, now) else f" (the last start had {describe_membership(previous)})"
+        gone = "" if lost is None else f"; {lost} iteration(s) since the last checkpoint lost"
         print(f"plan at start-up: {how}, {describe_membership(now)}{change}, predicted "
-              f"{plan.predicted['iteration_ms']:.1f} ms per iteration", flush=True)
+              f"{plan.predicted['iteration_ms']:.1f} ms per iteration{gone}", flush=True)
     return plan
