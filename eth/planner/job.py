@@ -12,10 +12,12 @@ from eth.spec.model import ModelSpec
 from eth.spec.plan import Plan
 
 def plan_job(model: ModelSpec, cluster: Cluster, profiles: str | None, options: SearchOptions,
-             fallback: str = "none") -> Plan:
+             fallback: str = "none", flag: str = "--profiles",
+             instead: str = "or pass --profiles-fallback analytic") -> Plan:
     """Search ``options.strategy`` for ``model`` on ``cluster`` with the profiles of file or
     folder ``profiles`` (None: analytic profiles in memory).  A device type those profiles
-    lack for the model is a SpecError unless ``fallback`` is "analytic".  ``plan.search``
+    lack for the model is a SpecError unless ``fallback`` is "analytic" (its line names
+    the caller's ``flag`` and what to do ``instead`` of profiling).  ``plan.search``
     records per type where the op costs came from ("profiles"), the profiles' path
     ("profiles_path", and "profiles_checkout_path" inside this checkout, so that
     tools/show_plan.py scores the plan with them in another clone) and the types given
@@ -27,12 +29,11 @@ def plan_job(model: ModelSpec, cluster: Cluster, profiles: str | None, options: 
     db = ProfileDB.load(profiles) if profiles else ProfileDB()
     added = db.ensure(model, cluster.types.values())
     if profiles and added and fallback == "none":
-        raise SpecError(f"--profiles {profiles} has no entry for model {model.name} (hidden {model.hidden}, "
+        raise SpecError(f"{flag} {profiles} has no entry for model {model.name} (hidden {model.hidden}, "
                         f"heads {model.heads}, kv_heads {model.kv_heads}, ffn {model.ffn}, seq {model.seq_len}, "
                         f"vocab {model.vocab}, {model.norm}, {model.position}, {model.attention} attention"
                         f"{', swiglu' if model.swiglu else ''}{'' if model.bias else ', no bias'}) on "
-                        f"{', '.join(added)}: profile it with tools/profile_ops.py, "
-                        f"or pass --profiles-fallback analytic")
+                        f"{', '.join(added)}: profile it with tools/profile_ops.py, {instead}")
     plan = search(model, cluster, db, options)
     plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
                                else db.get(t).source for t in sorted(cluster.types)}

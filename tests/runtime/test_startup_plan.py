@@ -2,6 +2,7 @@
 the device type of each rank, the cluster of the ranks present, reuse of a stored plan,
 bad input, and one launch that plans for 4 ranks and trains to the single-process losses."""
 import json
+import re
 
 import pytest
 import torch
@@ -106,6 +107,10 @@ def test_flags_of_the_two_ways_to_get_a_plan(capsys):
         assert pretrain_gpt.config(argv) is None
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], (argv, err)
+    request = PlanRequest(str(DEMO), "gpt3-350m", 16, profiles=PROFILES)     # a shape the profiles lack
+    with pytest.raises(SpecError, match=r"^--hpp-profiles .* has no entry for model gpt3-350m .* or drop "
+                                        r"--hpp-profiles \(analytic estimates\)$"):
+        plan_for(request, [Member(0, "vm", "cpu-fast")], None)
     cfg = pretrain_gpt.config(base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
                                       "--fp32", "--zero-stage", "1", "--hpp-time-limit", "5"])
     assert cfg.plan is None and cfg.startup == PlanRequest(str(DEMO), "tiny", 16, {}, None, "fp32", 1, "fp32", 5.0)
@@ -126,6 +131,15 @@ def test_four_ranks_plan_at_start_up_and_train_to_the_single_process_losses(tmp_
                     f"{json.loads((ckpt / PLAN_FILE).read_text())['predicted']['iteration_ms']:.1f} ms per iteration"]
     assert all("plan at start-up" not in r.stdout for r in ranks[1:])
     assert json.loads((ckpt / PROGRESS_FILE).read_text()) == {"iteration": 3}
+    # a membership no plan fits: one line naming the memory needed and present, exit 2 on every
+    # rank, the checkpoints kept
+    refused = launch(4, ["--hpp-cluster", str(DEMO), "--model", "gpt3-175b", "--global-batch-size", "16",
+                         "--fp32", "--train-iters", "3", "--save", str(ckpt)],
+                     extra_env={"HPP_DEVICE_TYPE": "cpu-fast,cpu-fast,cpu-slow,cpu-slow"})
+    assert [r.returncode for r in refused] == [2] * 4
+    lines = refused[0].stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(r"model gpt3-175b needs [\d.]+ GB .* the cluster has [\d.]+ GB", lines[0]), lines
+    assert (ckpt / "iter_0000003").is_dir() and (ckpt / "latest").read_text().strip() == "iter_0000003"
     got = torch.load(tmp_path / "a.pt")
     ref_losses, ref_params = train_reference(get_model("tiny"), 16, 3)
     assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)

@@ -234,7 +234,8 @@ def search_for(request: PlanRequest, cluster):
                             request.model_overrides)
     options = SearchOptions(gbs=request.gbs, time_limit=request.time_limit, progress=False,
                             setup=TrainSetup(request.precision, request.zero_stage, request.grad_reduce))
-    return plan_job(model, cluster, request.profiles, options)
+    return plan_job(model, cluster, request.profiles, options, flag="--hpp-profiles",
+                    instead="or drop --hpp-profiles (analytic estimates)")
 
 
 def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name: str | None = None):
