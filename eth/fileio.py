@@ -1,4 +1,4 @@
-"""Reading input files with one-line errors, and atomic writes."""
+"""Reading input files with one-line errors, atomic writes, and where the checkout is."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,10 @@ from pathlib import Path
 import yaml
 
 from eth.errors import SpecError
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The checkout (or install prefix) the tools run from: a planning job records a profile
+path relative to it, show_plan finds that path again in another clone."""
 
 
 def read_text(path, what: str, error=SpecError) -> str:

@@ -6,11 +6,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from eth.errors import SpecError
-from eth.fileio import probe_folder
-
-CHECKOUT = Path(__file__).resolve().parents[2]
-"""The checkout (or install prefix) the tools run from: search_hpp records a profile path
-relative to it, show_plan finds that path again in another clone."""
+from eth.fileio import CHECKOUT, probe_folder  # noqa: F401  (CHECKOUT: the tools' name for it)
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv=None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eth.errors import SpecError
+from eth.fileio import CHECKOUT
 from eth.planner.options import SearchOptions
 from eth.spec.cluster import Cluster
 from eth.spec.model import ModelSpec
@@ -22,7 +23,6 @@ def plan_job(model: ModelSpec, cluster: Cluster, profiles: str | None, options: 
     ("profiles_path", and "profiles_checkout_path" inside this checkout, so that
     tools/show_plan.py scores the plan with them in another clone) and the types given
     analytic profiles ("analytic_profiles")."""
-    from eth.cli.common import CHECKOUT
     from eth.planner.search import search
     from eth.profiles.db import ProfileDB
 

@@ -1,4 +1,6 @@
-"""Start-up check that the launcher placed the ranks where the plan expects them.
+"""How the launcher started the ranks: their environment (:func:`env_int`), the default
+process group (:func:`init_default_group`), and the start-up check that they were
+placed where the plan expects them.
 
 A plan's global ranks follow its cluster's device order, node-major: the cluster YAML's
 node groups in order, every node's devices consecutively (eth/spec/cluster.py).  torchrun
@@ -110,18 +112,37 @@ def expected_node_order(cluster) -> list[str]:
     return lines
 
 
+def env_int(name: str, default: int = 0) -> int:
+    """The integer environment variable ``name`` the launcher set (``default`` when unset);
+    SpecError when it is not an integer."""
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"environment {name}={value!r} is not an integer") from None
+
+
+def init_default_group(backend_name: str, rank: int, world: int, timeout_minutes: float) -> None:
+    """The default process group with the run's timeout.  A one-rank run without
+    MASTER_ADDR/MASTER_PORT (``python pretrain_gpt.py`` without torchrun) gets an
+    in-process store: no port is opened, so none can be busy."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(minutes=timeout_minutes)
+    if world == 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend_name, rank=rank, world_size=world, timeout=timeout)
+
+
 def local_host(rank: int | None = None) -> RankHost:
     """This process as torchrun started it (``rank`` or RANK, LOCAL_RANK, host name: the
     launch scripts' HPP_HOST when set, as examples/slurm/node.sh names its node, else
     the machine's host name)."""
-    def env(name: str) -> int:
-        value = os.environ.get(name, "0")
-        try:
-            return int(value)
-        except ValueError:
-            raise SpecError(f"environment {name}={value!r} is not an integer") from None
     host = os.environ.get("HPP_HOST") or socket.gethostname()
-    return RankHost(env("RANK") if rank is None else rank, host, env("LOCAL_RANK"))
+    return RankHost(env_int("RANK") if rank is None else rank, host, env_int("LOCAL_RANK"))
 
 
 def gather_hosts(group=None) -> list[RankHost]:

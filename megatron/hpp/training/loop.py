@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from eth.errors import SpecError
 from eth.spec.plan import load_plan
 from megatron.hpp.data.datasets import DEFAULT_SPLIT, check_data, parse_split
+from megatron.hpp.parallel.launch import env_int, init_default_group
 
 
 @dataclass(frozen=True)
@@ -189,14 +190,6 @@ class TrainConfig:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, str(default))
-    try:
-        return int(value)
-    except ValueError:
-        raise SpecError(f"environment {name}={value!r} is not an integer") from None
-
-
 def prepare(cfg: TrainConfig, plan=None):
     """Step 1 (no process group; torch is imported only to read a --load checkpoint's
     metadata): returns (plan, layout, rank).  ``plan``: the plan made at start-up
@@ -208,7 +201,7 @@ def prepare(cfg: TrainConfig, plan=None):
     if plan is None:
         plan = load_plan(cfg.plan)
     check_plan_flags(plan, cfg.plan_flags)
-    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     if "WORLD_SIZE" not in os.environ and plan.world_size != 1:
         raise SpecError(f"plan needs {plan.world_size} ranks, WORLD_SIZE is not set (one process): "
                         f"launch it with torchrun --nproc-per-node {plan.world_size} pretrain_gpt.py ...")
@@ -236,38 +229,10 @@ def prepare(cfg: TrainConfig, plan=None):
     return plan, layout, rank
 
 
-def plan_at_startup(cfg: TrainConfig):
-    """The default group, then the plan for the ranks present (``startup_plan``)."""
-    from megatron.hpp import compat
-    from megatron.hpp.training.startup_plan import startup_plan
-
-    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
-    if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        raise SpecError(f"WORLD_SIZE {world} needs MASTER_ADDR and MASTER_PORT (torchrun sets them)")
-    backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
-    init_default_group(backend.name, rank, world, cfg.distributed_timeout_minutes)
-    return startup_plan(cfg.startup, cfg.save, rank, compat.device_name(backend))
-
-
 def check_iterations_left(cfg: TrainConfig, iteration: int) -> None:
     if iteration >= cfg.train_iters:
         raise SpecError(f"--load {cfg.load} is at iteration {iteration}, --train-iters is {cfg.train_iters}: "
                         f"nothing to train")
-
-
-def init_default_group(backend_name: str, rank: int, world: int, timeout_minutes: float) -> None:
-    """The default process group with the run's timeout.  A one-rank run without
-    MASTER_ADDR/MASTER_PORT (``python pretrain_gpt.py`` without torchrun) gets an
-    in-process store: no port is opened, so none can be busy."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    timeout = timedelta(minutes=timeout_minutes)
-    if world == 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend_name, rank=rank, world_size=world, timeout=timeout)
 
 
 @dataclass
@@ -313,7 +278,7 @@ class Trainer:
         self.cfg, self.plan, spec = cfg, layout.plan, layout.plan.model
         self.setup = setup = cfg.setup_for(self.plan)
         self.grad_layout = GradLayout(self.plan, cfg.grad_sync, cfg.bucket_numel)
-        self.backend = backend = compat.select_backend(_env_int("LOCAL_RANK", 0))
+        self.backend = backend = compat.select_backend(env_int("LOCAL_RANK", 0))
         if not dist.is_initialized():
             init_default_group(backend.name, rank, layout.world_size, cfg.distributed_timeout_minutes)
         from megatron.hpp.parallel.launch import check_launch
@@ -569,7 +534,12 @@ def run(cfg: TrainConfig) -> int:
 
     try:
         with checking_input():
-            _, layout, rank = prepare(cfg, plan_at_startup(cfg) if cfg.startup is not None else None)
+            plan = None
+            if cfg.startup is not None:
+                from megatron.hpp.training.startup_plan import plan_at_startup
+
+                plan = plan_at_startup(cfg.startup, cfg.save, cfg.distributed_timeout_minutes)
+            _, layout, rank = prepare(cfg, plan)
     except SpecError as exc:
         report_error(str(exc))   # every rank finds it, one prints it
         return 2

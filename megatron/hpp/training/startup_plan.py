@@ -278,3 +278,17 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
         print(f"plan at start-up: {how}, {describe_membership(now)}{change}, predicted "
               f"{plan.predicted['iteration_ms']:.1f} ms per iteration{gone}", flush=True)
     return plan
+
+
+def plan_at_startup(request: PlanRequest, save: str | None, timeout_minutes: float):
+    """The default group (the launcher's RANK / WORLD_SIZE / MASTER_*), then
+    :func:`startup_plan` for the ranks present."""
+    from megatron.hpp import compat
+    from megatron.hpp.parallel.launch import env_int, init_default_group
+
+    world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
+    if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise SpecError(f"WORLD_SIZE {world} needs MASTER_ADDR and MASTER_PORT (torchrun sets them)")
+    backend = compat.select_backend(env_int("LOCAL_RANK", 0))
+    init_default_group(backend.name, rank, world, timeout_minutes)
+    return startup_plan(request, save, rank, compat.device_name(backend))
