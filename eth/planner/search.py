@@ -489,21 +489,24 @@ class HPPSearch:
                 self.evaluate_group(vecs)
 
     def _type_too_small(self) -> str | None:
-        """The one-line reason when a device type cannot hold even one layer: all its devices
-        as one stage at its largest tp, micro-batch 1 per replica, every op recomputed, one
-        micro-batch in flight.  Every device takes part in a plan, so no plan fits."""
-        ops = layer_ops(self.model)
+        """The one-line reason when a device type cannot hold even one layer's model states
+        (weights, gradients, optimizer states; activations and reserved memory left out, so
+        this is a lower bound of every stage's memory): all its devices as one stage at its
+        largest tp, ZeRO-sharded over all its replicas.  Every device takes part in a plan,
+        so then no plan fits."""
         for t, n in self.cluster.type_counts().items():
             tps = self.ev.valid_tps(t, n)
             if not tps:
                 continue
             tp = max(tps)
             dp = n // tp
-            c = self.cost.stage_cost_at(t, tp, dp, 1, False, False, dp, {op: 1 for op in ops}, 1, (1e9,) * 3)
-            if c.memory_bytes > c.capacity_bytes:
-                return (f"device type {t} ({c.capacity_bytes / 1e9:.1f} GB per device) cannot hold one layer of "
-                        f"{self.model.name}: {c.memory_bytes / 1e9:.1f} GB per device even with all {n} devices "
-                        f"as one stage at tp {tp}, micro-batch 1 and full recompute; leave it out of the cluster")
+            c = self.cost.stage_cost_at(t, tp, dp, 1, False, False, dp, {}, 1, (1e9,) * 3)
+            need = c.params * self.cost.setup.state_bytes_per_param(dp)
+            if need > c.capacity_bytes:
+                return (f"device type {t} ({c.capacity_bytes / 1e9:.2f} GB per device) cannot hold one layer of "
+                        f"{self.model.name}: its weights, gradients and optimizer states alone take "
+                        f"{need / 1e9:.2f} GB per device with all {n} devices as one stage at tp {tp}; "
+                        f"leave it out of the cluster")
         return None
 
     def _infeasible_message(self) -> str:
