@@ -28,6 +28,16 @@ def readme_commands() -> list[list[str]]:
     return cmds
 
 
+def split_env(cmd) -> tuple[dict, list[str]]:
+    """The leading ``NAME=value`` assignments of a command and the command after them."""
+    env = {}
+    while cmd and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", cmd[0]):
+        name, value = cmd[0].split("=", 1)
+        env[name] = value
+        cmd = cmd[1:]
+    return env, cmd
+
+
 def _flags(cmd):
     return [a.split("=")[0] for a in cmd if a.startswith("-") and not re.fullmatch(r"-\d.*", a)]
 
@@ -50,6 +60,7 @@ def commands():
 
 def test_every_command_exists_and_takes_its_flags(commands):
     for cmd in commands:
+        _, cmd = split_env(cmd)
         assert cmd[0] in ("python", "torchrun"), cmd
         if cmd[0] == "python" and cmd[1] != "-m":
             assert (ROOT / cmd[1]).is_file(), cmd
@@ -61,15 +72,20 @@ def test_every_command_exists_and_takes_its_flags(commands):
 def test_training_command_matches_its_plan(commands):
     from eth.spec.cluster import load_cluster
 
-    runs = [c for c in commands if c[0] == "torchrun"]
+    runs = [split_env(c) for c in commands if split_env(c)[1][0] == "torchrun"]
     assert runs
-    for train in runs:
-        plan = train[train.index("--hpp-plan") + 1]
+    for env, train in runs:
         nproc = int(train[train.index("--nproc-per-node") + 1])
+        if "--hpp-cluster" in train:      # planned at start-up: one device type per process given
+            fleet = load_cluster(ROOT / train[train.index("--hpp-cluster") + 1])
+            types = env["HPP_DEVICE_TYPE"].split(",")
+            assert len(types) == nproc and set(types) <= set(fleet.types), (types, train)
+            continue
+        plan = train[train.index("--hpp-plan") + 1]
         (search,) = [c for c in commands if "search_hpp.py" in c[1] and c[c.index("-o") + 1] == plan]
         cluster = load_cluster(ROOT / search[search.index("--cluster") + 1])
         assert cluster.world_size == nproc
     for cmd in commands:  # every file a command reads is shipped or written by an earlier one
-        for flag in ("--cluster", "--profiles", "--input"):
+        for flag in ("--cluster", "--profiles", "--input", "--hpp-cluster", "--hpp-profiles"):
             if flag in cmd:
                 assert (ROOT / cmd[cmd.index(flag) + 1]).exists(), (flag, cmd)

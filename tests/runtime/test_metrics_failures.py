@@ -236,3 +236,32 @@ def test_multi_rank_plan_without_torchrun_says_how_to_launch(tmp_path, monkeypat
     assert pretrain_gpt.main(["--hpp-plan", str(tmp_path / "three.json"), "--train-iters", "2"]) == 2
     assert capsys.readouterr().err == "error: WORLD_SIZE 3 needs MASTER_ADDR and MASTER_PORT (torchrun sets them)\n"
 
+
+
+def test_an_elastic_worker_stopped_by_another_ranks_signal_waits_for_its_own(monkeypatch):
+    import os
+    import signal
+    import threading
+    import time
+
+    from megatron.hpp.training.failures import ExitSignal
+
+    guard = ExitSignal()
+    try:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        start = time.monotonic()
+        guard.await_own(5.0)                       # not under an elastic agent: at once
+        assert time.monotonic() - start < 0.5
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        start = time.monotonic()
+        guard.await_own(0.3)                       # no signal comes: until the timeout
+        assert 0.3 <= time.monotonic() - start < 2.0 and not guard.received
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        guard.await_own(10.0)                      # the agent's own signal ends the wait
+        assert guard.received and time.monotonic() - start < 5.0
+        start = time.monotonic()
+        guard.await_own(10.0)                      # received: at once
+        assert time.monotonic() - start < 0.5
+    finally:
+        signal.signal(signal.SIGTERM, guard.previous)

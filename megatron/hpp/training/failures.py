@@ -157,11 +157,30 @@ class ExitSignal:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def await_own(self, timeout_s: float = None) -> None:
+        """Under torchrun's elastic agent, a rank stopped by another rank's signal waits
+        (at most ``timeout_s``, default :data:`ELASTIC_STOP_WAIT_S`) for its own: an agent
+        that restarts its workers for a node joining signals each of its workers itself,
+        and a worker that ended with exit code 0 before its agent did so would read to
+        that agent as the end of the job (it closes the rendezvous, and the joining node
+        never gets in).  Elsewhere, and once this rank has the signal, it returns at once."""
+        import time
+
+        if self.received or not os.environ.get("TORCHELASTIC_RUN_ID"):
+            return
+        end = time.monotonic() + (ELASTIC_STOP_WAIT_S if timeout_s is None else timeout_s)
+        while not self.received and time.monotonic() < end:
+            time.sleep(0.05)
+
     @property
     def name(self) -> str:
         import signal
 
         return signal.Signals(self.signum).name
+
+
+ELASTIC_STOP_WAIT_S = 60.0
+"""How long :meth:`ExitSignal.await_own` waits for the agent's own signal."""
 
 
 def step_nonfinite(loss: float, grads_finite: bool, loss_scale: float | None,

@@ -504,6 +504,7 @@ def train(cfg: TrainConfig, layout, rank: int) -> list[float]:
                         print(f"{signals.name} received: stopped after iteration {done}"
                               + (f", checkpoint in {cfg.save}" if cfg.save else " (no --save: nothing kept)"),
                               flush=True)
+                    signals.await_own()   # elastic agents stop each worker themselves
                     break
         if cfg.save and saved != done:
             save(done)

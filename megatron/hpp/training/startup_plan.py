@@ -4,8 +4,9 @@ the processes the launcher actually started, not written beforehand.
 1. Every rank finds its device type (:func:`device_type`): ``HPP_DEVICE_TYPE`` if set
    (a comma-separated list: the entry of its LOCAL_RANK, for one host emulating several
    types), else the fleet's type every part of whose name the CUDA device's product name
-   contains ("A100-40GB" in "NVIDIA A100-SXM4-40GB"; the longest such name), else the fleet's only type; and its host (``HPP_HOST`` as the launch
-   scripts set it, else the host name).  One ``all_gather_object`` collects them.
+   contains ("A100-40GB" in "NVIDIA A100-SXM4-40GB"; the longest such name), else the
+   fleet's only type; and its host (``HPP_HOST`` as the launch scripts set it, else the
+   host name).  One ``all_gather_object`` collects them.
 2. Rank 0 builds the cluster of what is present (:func:`present_cluster`): the fleet
    file's device types and links, one node per run of consecutive ranks on one host with
    one device type, in rank order, so the plan's ranks are the launcher's.
@@ -40,7 +41,6 @@ from pathlib import Path
 from eth.errors import SpecError
 from eth.spec.plan_history import (HISTORY_FILE, PLAN_FILE, PLANS_DIR, PROGRESS_FILE, describe_membership,
                                    read_history)
-
 
 
 @dataclass(frozen=True)
