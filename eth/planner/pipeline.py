@@ -148,8 +148,14 @@ def promising_orders(ev: Evaluator, blocks: Blocks, vec, batch: int, max_stages:
     best = [math.inf] * len(orders)
     for (k, _), f in zip(samples, floors):
         best[k] = min(best[k], f)
-    ranked = sorted(range(len(orders)), key=lambda k: (best[k], k))[:keep]
-    return [orders[k] for k in sorted(ranked)]
+    ranked = sorted(range(len(orders)), key=lambda k: (best[k], k))
+    chosen, ends = [], set()
+    for k in ranked:              # the best order of each (first type, last type) first
+        if len(chosen) < keep and (orders[k][0], orders[k][-1]) not in ends:
+            chosen.append(k)
+            ends.add((orders[k][0], orders[k][-1]))
+    chosen += [k for k in ranked if k not in chosen][:keep - len(chosen)]
+    return [orders[k] for k in sorted(chosen)]
 
 
 def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budget: int,
