@@ -11,7 +11,7 @@ the processes the launcher actually started, not written beforehand.
    file's device types and links, one node per run of consecutive ranks on one host with
    one device type, in rank order, so the plan's ranks are the launcher's.
 3. With ``--save DIR``, a plan stored there (:data:`PLANS_DIR`, one file per membership
-   and request) made for the same membership and the same request (model, global batch,
+   and request, :func:`made_for`) made for the same membership and the same request (model, global batch,
    training setup, profiles, fleet file) is used again -- a fleet that shrinks and grows
    back returns to its earlier plan; otherwise rank 0 searches
    (``eth.planner.job.plan_job``, the planner of tools/search_hpp.py) and, with
@@ -110,7 +110,7 @@ def local_member(fleet, rank: int, name: str | None = None) -> Member:
     return Member(rank, host, device_type(fleet, name=name), name)
 
 
-def present_cluster(fleet, members) -> "object":
+def present_cluster(fleet, members):
     """The eth.spec.cluster.Cluster of ``members`` (sorted by rank): the fleet's types and
     links, one node per run of consecutive ranks with one host and one type."""
     from eth.spec.cluster import Cluster
@@ -147,54 +147,51 @@ def membership(members) -> list[list]:
     return out
 
 
-def plan_key(request: PlanRequest, members) -> str:
-    """A short name for (membership, request): the file of :data:`PLANS_DIR` holding its plan."""
-    blob = json.dumps({"membership": membership(members), "request": request.identity()}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def made_for(request: PlanRequest, members) -> tuple[dict, str]:
+    """What a plan is made for ({"membership", "request"}, recorded in
+    ``plan.search["startup"]``) and its short name: the file of :data:`PLANS_DIR` holding
+    its plan.  The request's identity reads the fleet file: call it once per start."""
+    made = {"membership": membership(members), "request": request.identity()}
+    return made, hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def stored_plan(save: str | None, request: PlanRequest, members):
-    """The plan in ``save`` made for this membership and request, or None."""
+def stored_plan(save: str | None, made: dict, key: str):
+    """The plan in ``save`` made for ``made`` (:func:`made_for`), or None."""
     from eth.spec.plan import load_plan
 
-    if save is None:
-        return None
-    path = Path(save) / PLANS_DIR / f"{plan_key(request, members)}.json"
-    if not path.exists():
+    path = Path(save) / PLANS_DIR / f"{key}.json" if save is not None else None
+    if path is None or not path.exists():
         return None
     try:
         plan = load_plan(path)
     except (SpecError, ValueError, OSError):
         return None
-    made = plan.search.get("startup") or {}
-    if made.get("membership") == membership(members) and made.get("request") == request.identity():
-        return plan
-    return None
+    return plan if plan.search.get("startup") == made else None
 
 
 def plan_for(request: PlanRequest, members, save: str | None):
     """Rank 0's part: the stored plan or a new search (module docstring, steps 2-3);
-    returns (plan, reused, the membership of the previous start or None)."""
+    returns (plan, reused, the membership of the previous start or None, iterations lost)."""
     from eth.spec.cluster import load_cluster
 
-    fleet = load_cluster(request.cluster)
-    cluster = present_cluster(fleet, members)
-    plan = stored_plan(save, request, members)
+    cluster = present_cluster(load_cluster(request.cluster), members)
+    made, key = made_for(request, members)
+    plan = stored_plan(save, made, key)
     reused = plan is not None
     if plan is None:
         plan = search_for(request, cluster)
-        plan.search["startup"] = {"membership": membership(members), "request": request.identity()}
+        plan.search["startup"] = made
         if save is not None:
             (Path(save) / PLANS_DIR).mkdir(parents=True, exist_ok=True)
-            plan.save(Path(save) / PLANS_DIR / f"{plan_key(request, members)}.json")
+            plan.save(Path(save) / PLANS_DIR / f"{key}.json")
     before = read_history(save) if save is not None else []
     previous = before[-1]["membership"] if before else None
     resumes, lost = resume_point(save)
     if save is not None:
         plan.save(Path(save) / PLAN_FILE)
-        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "membership": membership(members),
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "membership": made["membership"],
                 "predicted_ms": round(plan.predicted["iteration_ms"], 3), "reused": reused,
-                "plan": f"{PLANS_DIR}/{plan_key(request, members)}.json", "resumes_at": resumes, "lost": lost}
+                "plan": f"{PLANS_DIR}/{key}.json", "resumes_at": resumes, "lost": lost}
         with (Path(save) / HISTORY_FILE).open("a") as fh:
             fh.write(json.dumps(line) + "\n")
     return plan, reused, previous, lost
