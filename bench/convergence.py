@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence_report import (RUNS, compare, format_same, format_summary, plot,  # noqa: E402
-                                steady_ms, write_csv, write_md)
+                                steady_ms, write_csv, write_md)  # noqa: F401 (steady_ms: re-exported)
 from run_context import add_output_args, loadavg, output_path  # noqa: E402
 
 LOSS_LINE = re.compile(r"^iteration (\d+)/(\d+) \| .*?\| loss (\S+) \|")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from eth.spec.model import KNOWN_LAYER_OPS
+from eth.cost.activations import LayerKeep
+from eth.spec.model import KNOWN_LAYER_OPS, layer_dataflow
 
 _LAYER_OP_SET = frozenset(KNOWN_LAYER_OPS)
 
@@ -96,7 +98,7 @@ class StageFloors:
         hkey = ("floor hull", device_type, tp, micro)
         hull = self._cache.get(hkey)
         if hull is None:
-            hull = self._cache[hkey] = _recompute_hull(in_layer)
+            hull = self._cache[hkey] = _recompute_hull(layer_dataflow(self.model), ops)
         heads, slopes, freed = hull
         hit = self._cache[fkey] = (per_layer, fixed, sa, sum(x[3] for x in extra), sw / dtype_bytes,
                                    sum(x[2] for x in extra) / dtype_bytes, reserved + backward, freed,
@@ -108,31 +110,37 @@ MAX_HULL_OPS = 16
 """Layer ops up to which :func:`_recompute_hull` enumerates every recompute set of a layer."""
 
 
-def _recompute_hull(in_layer) -> tuple[list, list, float]:
+def _recompute_hull(flow, ops) -> tuple[list, list, float]:
     """(intercepts, slopes, most bytes) of the lines whose maximum is a convex lower bound
     of the least recompute ms that frees x bytes of one layer, 0 <= x <= most.
 
-    A layer that recomputes the set R of its ops (``in_layer``, in layer order) frees, as
-    :meth:`eth.cost.model.CostModel._layer_savings` counts it, per maximal run of R its ops'
-    saved bytes less the run's input, at least 0, for sum_{o in R} fwd ms (counted here at
-    max(fwd, 0)).  Without the "at least 0" a set frees no more, and dropping a run that
-    frees nothing keeps what the set frees for no more time, so the least time per bytes
-    is the same with the linear count, sum_{o in R} saved bytes - sum of the runs' inputs:
-    one matrix product over every R (up to ``MAX_HULL_OPS`` ops).  The lower convex hull
-    of the points (freed, ms) from (0, 0) is below the step function min{ms(R) :
-    freed(R) >= x}, non-decreasing and convex, so a stage's least recompute time over its
-    layers is at least layers x hull(bytes to free / layers) (Jensen).  With more ops, the
-    fractional knapsack of the ops by ms per byte (each op frees at most its saved bytes),
-    which is below the hull.  Memoised by the ops' numbers (searches of one profile
-    database share them)."""
-    return _hull(tuple((max(c.fwd_ms, 0.0), c.act_bytes, c.input_bytes) for c in in_layer))
+    A layer that recomputes the set R of its ops (the dataflow ``flow``, op costs ``ops``)
+    frees :meth:`eth.cost.activations.LayerKeep.freed` (R) for sum_{o in R} fwd ms
+    (counted here at max(fwd, 0)): one vectorised pass over every R (up to
+    ``MAX_HULL_OPS`` ops).  The lower convex hull of the points (freed, ms) from (0, 0) is
+    below the step function min{ms(R) : freed(R) >= x}, non-decreasing and convex, so a
+    stage's least recompute time over its layers is at least layers x hull(bytes to free
+    / layers) (Jensen).  With more ops, the fractional knapsack of the ops by ms per byte
+    (a set frees at most its ops' act_bytes: what the others count they keep), which is
+    below the hull.  Memoised by the dataflow and the ops' numbers (searches of one
+    profile database share them)."""
+    return _hull(tuple(flow), tuple((max(ops[f.name].fwd_ms, 0.0), ops[f.name].act_bytes, ops[f.name].input_bytes,
+                                     ops[f.name].output_bytes) for f in flow))
+
+
+class _Sizes(NamedTuple):
+    fwd_ms: float
+    act_bytes: float
+    input_bytes: float
+    output_bytes: float
 
 
 @functools.lru_cache(maxsize=4096)
-def _hull(ops: tuple) -> tuple[list, list, float]:
-    """:func:`_recompute_hull` of ``ops`` = ((fwd ms >= 0, saved bytes, input bytes), ...)."""
+def _hull(flow: tuple, ops: tuple) -> tuple[list, list, float]:
+    """:func:`_recompute_hull` of ``flow`` with ``ops`` = ((fwd ms >= 0, act, input and
+    output bytes), ...) in its order."""
     if len(ops) > MAX_HULL_OPS:
-        cand = sorted((ms / act, act) for ms, act, _ in ops if act > 0)
+        cand = sorted((ms / act, act) for ms, act, _, _ in ops if act > 0)
         slopes, heads, freed, spent = [0.0], [0.0], 0.0, 0.0
         for ratio, act in cand:      # the segment's line: spent + ratio x (x - freed)
             slopes.append(ratio)
@@ -140,10 +148,8 @@ def _hull(ops: tuple) -> tuple[list, list, float]:
             freed += act
             spent += ratio * act
         return heads, slopes, freed
-    members, starts = _sets(len(ops))
-    fwd, act, inp = (np.array(column) for column in zip(*ops))
-    freed = members @ act - starts @ inp
-    ms = members @ fwd
+    members, freed = LayerKeep(flow, {f.name: _Sizes(*o) for f, o in zip(flow, ops)}).freed_all()
+    ms = members @ np.array([o[0] for o in ops])
     # the lower hull from (0, 0), vertex by vertex: the point of least slope (the
     # farthest of equal slopes) among those beyond the last vertex
     x0, y0, heads, slopes = 0.0, 0.0, [0.0], [0.0]
@@ -159,12 +165,3 @@ def _hull(ops: tuple) -> tuple[list, list, float]:
         slopes.append(float(least))
         heads.append(y0 - float(least) * x0)
         x0, y0 = float(f[k]), float(t[k])
-
-
-@functools.lru_cache(maxsize=None)
-def _sets(k: int):
-    """For every subset R of k ops (bit i: op i): its members and its runs' first ops, as
-    (2^k, k) 0 / 1 matrices."""
-    bits = (np.arange(1 << k)[:, None] >> np.arange(k)) & 1
-    before = np.concatenate([np.zeros((1 << k, 1), dtype=bits.dtype), bits[:, :-1]], axis=1)
-    return bits.astype(float), (bits & (1 - before)).astype(float)

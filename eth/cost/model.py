@@ -30,7 +30,8 @@ Memory per device (:meth:`CostModel.stage_cost`, ``memory_bytes``):
       activations: in-flight micro-batches under 1F1B (stage j of S, 0-based, holds
         min(S - j, micro-batches) of them) x saved bytes per micro-batch, where a
         contiguous run of recomputed ops in a layer frees its saved activations but
-        keeps the input of the run's first op (the checkpoint),
+        keeps the run's inputs (the checkpoint), each tensor counted once
+        (``eth.cost.activations``),
         + the backward's transient bytes of the one micro-batch being backpropagated
         (:meth:`CostModel.backward_bytes`, :meth:`CostModel.remat_bytes`): the
         gradients of one op's output, input and weights less the saved activations
@@ -72,11 +73,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from eth.cost.activations import LayerKeep
 from eth.cost.equations import STEP_ALLREDUCES, StageCost, eq1_pipeline_ms, eq5_end_times
 from eth.cost.floors import StageFloors
 from eth.errors import SpecError
 from eth.spec.cluster import Cluster
-from eth.spec.model import (ACT_BYTES, KNOWN_LAYER_OPS, ModelSpec, layer_ops, post_ops, pre_ops, recompute_runs,
+from eth.spec.model import (ACT_BYTES, KNOWN_LAYER_OPS, ModelSpec, layer_dataflow, layer_ops, post_ops, pre_ops, recompute_runs,
                             tp_allgathers, tp_allreduces)
 from eth.spec.precision import TrainSetup
 from eth.profiles.db import ProfileDB, collective_ms
@@ -351,33 +353,31 @@ class CostModel(StageFloors):
             prev = n
         return runs, run_ops
 
-    @staticmethod
-    def recompute_savings(ops, recompute: dict[str, int]) -> float:
-        """Activation bytes freed by recomputation, summed over the stage's layers.
+    def layer_keep(self, ops) -> LayerKeep:
+        """The :class:`eth.cost.activations.LayerKeep` of ``ops`` (a profile's op costs of
+        this model), memoised by the layer ops' costs."""
+        key = ("keep",) + tuple(ops[op] for op in layer_ops(self.model))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = LayerKeep(layer_dataflow(self.model), ops)
+        return hit
 
-        The same rule for every op set (``ops`` is in its layer order, as profiles give
-        it): a run of recomputed ops frees what its ops save but keeps the run's input.
-        A recomputed fused-attention thus frees its output and log-sum-exp and keeps
-        q, k, v (its input)."""
+    def recompute_savings(self, ops, recompute: dict[str, int]) -> float:
+        """Activation bytes freed by recomputation, summed over the stage's layers: layers
+        [prev, n) recompute exactly the ops whose count exceeds prev, and a layer that
+        recomputes the set R frees :meth:`eth.cost.activations.LayerKeep.freed` (R): each
+        maximal run of R frees what its ops keep but keeps the run's inputs, each tensor
+        counted once (a run whose input another op keeps anyway costs nothing to keep).
+        A recomputed fused-attention thus frees its output, log-sum-exp and q, k, v
+        copies and keeps the qkv output (its input)."""
         if not recompute:
             return 0.0
-        order = tuple(op for op in ops if op in _LAYER_OP_SET)
+        keep = self.layer_keep(ops)
         saved, prev = 0.0, 0
-        # layers [prev, n) recompute exactly the ops whose count exceeds prev
         for n in sorted(set(recompute.values())):
-            ops_here = {op for op, k in recompute.items() if k >= n}
-            saved += (n - prev) * CostModel._layer_savings(ops, ops_here, order)
+            saved += (n - prev) * keep.freed({op for op, k in recompute.items() if k >= n})
             prev = n
         return saved
-
-    @staticmethod
-    def _layer_savings(ops, recomputed, order) -> float:
-        """Activation bytes one layer frees when it recomputes the ops ``recomputed``
-        (:meth:`recompute_savings` per layer; ``order``: the layer ops of ``ops`` in order)."""
-        per_layer = 0.0
-        for run in recompute_runs(recomputed, order):
-            per_layer += max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0)
-        return per_layer
 
     def backward_bytes(self, ops, last: bool) -> float:
         """Transient bytes of the backward of one micro-batch above its saved activations.
@@ -402,33 +402,31 @@ class CostModel(StageFloors):
             freed += c.act_bytes
         return peak
 
-    @staticmethod
-    def remat_bytes(ops, recompute: dict[str, int], nl: int) -> float:
+    def remat_bytes(self, ops, recompute: dict[str, int], nl: int) -> float:
         """Bytes a recomputed run holds again in the backward of one micro-batch, above
         the stage's activation peak: each run is one checkpoint that the backward re-runs
         when it reaches it (``torch.utils.checkpoint``, as Megatron's activation
-        recomputation), one layer at a time, holding the run's saved activations less
-        its input (what :meth:`recompute_savings` counts as freed) until the run's
-        backward is done.  Layer l of the ``nl`` is reached after layers l+1.. of the
-        micro-batch have freed their saved activations (after recompute), so it adds
-        max(its largest run - those, 0); the largest over the layers.  Layers l < n
-        recompute {op: count >= n} (the deepest of each count level is the one reached
-        first).  The head ops' activations are not counted as freed: their gradients
-        are still alive when the last layer's backward starts."""
+        recomputation), one layer at a time, holding what the run's ops keep and the
+        layer does not keep anyway (:meth:`eth.cost.activations.LayerKeep.rematerialised`)
+        until the run's backward is done.  Layer l of the ``nl`` is reached after layers
+        l+1.. of the micro-batch have freed their saved activations (after recompute), so
+        it adds max(its largest run - those, 0); the largest over the layers.  Layers
+        l < n recompute {op: count >= n} (the deepest of each count level is the one
+        reached first).  The head ops' activations are not counted as freed: their
+        gradients are still alive when the last layer's backward starts."""
         levels = sorted({n for n in recompute.values() if n > 0}, reverse=True)
         if not levels:
             return 0.0
-        order = tuple(op for op in ops if op in _LAYER_OP_SET)
-        full = sum(ops[op].act_bytes for op in order)
+        keep = self.layer_keep(ops)
         # saved activations of the layers behind the deepest layer of each level
-        behind = (nl - levels[0]) * full if levels[0] < nl else 0.0
-        most, upper, saved = 0.0, levels[0], 0.0
+        behind = (nl - levels[0]) * keep.total if levels[0] < nl else 0.0
+        most, upper, kept = 0.0, levels[0], keep.total
         for n in levels:
-            behind += (upper - n) * (full - saved)   # layers [n, upper) recompute the level above's
-            runs = recompute_runs({op for op, k in recompute.items() if k >= n}, order)
-            freed = [max(sum(ops[op].act_bytes for op in run) - ops[run[0]].input_bytes, 0.0) for run in runs]
-            most = max(most, max(freed, default=0.0) - behind)
-            upper, saved = n, sum(freed)
+            behind += (upper - n) * kept   # layers [n, upper) recompute the level above's
+            here = {op for op, k in recompute.items() if k >= n}
+            again = [keep.rematerialised(run, here) for run in recompute_runs(here, keep.order)]
+            most = max(most, max(again, default=0.0) - behind)
+            upper, kept = n, keep.kept(here)
         return most
 
     def _measured(self, prof, device_type, link):

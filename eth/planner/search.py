@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from eth.spec.cluster import Cluster
 from eth.cost.model import CostModel
 from eth.errors import InfeasibleError
-from eth.spec.model import ModelSpec, layer_ops
+from eth.spec.model import ModelSpec
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost

@@ -238,6 +238,44 @@ def layer_ops(spec) -> tuple[str, ...]:
     return tuple(ops)
 
 
+@dataclass(frozen=True)
+class OpFlow:
+    """One layer op's tensors: the named tensors it reads (``inputs``) and makes
+    (``output``), and those of them its backward needs, which autograd keeps (``saves``).
+    "x" is the layer input, "out" its output.  What an op keeps beyond named tensors
+    (dropout masks, norm statistics, a kernel's own copies) is its act_bytes less the
+    named tensors first kept by it (:class:`eth.cost.activations.LayerKeep`)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    output: str
+    saves: tuple[str, ...]
+
+
+def layer_dataflow(spec) -> tuple[OpFlow, ...]:
+    """The :class:`OpFlow` of every layer op of ``spec`` (:func:`layer_ops` order), as the
+    runtime (``megatron.hpp.models.gpt.Layer``) runs them: a tensor kept by two ops (the
+    fused qkv output, read by score and context through views of one storage; the
+    attention probabilities, which context reads as they are when attn-dropout is the
+    identity) is one tensor, held once.  With ``spec.dropout`` 0 attn-dropout passes
+    "probs" on unchanged (its output is "probs"); the residual adds and rotary keep nothing."""
+    qkv = "qkv_r" if spec.position == "rope" else "qkv"
+    probs_d = "probs_d" if spec.dropout > 0 else "probs"
+    norm = "rmsnorm" if spec.norm == "rmsnorm" else "layernorm"
+    flows = {f"1st-{norm}": (("x",), "a", ("x",)), "qkv": (("a",), "qkv", ("a",)),
+             "rotary": (("qkv",), "qkv_r", ()), "score": ((qkv,), "scores", (qkv,)),
+             "softmax": (("scores",), "probs", ("probs",)),
+             "attn-dropout": (("probs",), probs_d, ()),
+             "context": ((probs_d, qkv), "ctx", (probs_d, qkv)),
+             "fused-attention": ((qkv,), "ctx", ()),   # keeps its own contiguous q, k, v copies
+             "attn-dense": (("ctx",), "attn", ("ctx",)),
+             "post-attn-dropout": (("x", "attn"), "x2", ()), f"2nd-{norm}": (("x2",), "m", ("x2",)),
+             "mlp-gemm-1": (("m",), "f1", ("m",)), "gelu": (("f1",), "g", ("f1",)),
+             "swiglu": (("f1",), "g", ("f1",)), "mlp-gemm-2": (("g",), "f2", ("g",)),
+             "post-mlp-dropout": (("x2", "f2"), "out", ())}
+    return tuple(OpFlow(op, *flows[op]) for op in layer_ops(spec))
+
+
 def pre_ops(spec) -> tuple[str, ...]:
     return PRE_OPS
 
@@ -303,13 +341,17 @@ def _op(name, flops, weights, act, inp, out, traffic=None, gemm=False, bwd_facto
                    int(traffic), gemm)
 
 
-def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
+def op_shapes(spec: ModelSpec, mbs: int, tp: int, elem_bytes: int = ACT_BYTES,
+              mask_bytes: int = MASK_BYTES) -> dict[str, OpShape]:
     """Shapes of every op in :func:`all_ops` (``spec``'s op set, in that order) for ``mbs``
-    samples on one rank of ``tp``."""
+    samples on one rank of ``tp``, activations of ``elem_bytes`` per element (E; norm
+    statistics and the loss's logits stay fp32) and dropout masks of ``mask_bytes`` per
+    element (CUDA's fused dropout keeps a byte mask; torch's CPU dropout keeps its scaled
+    mask in the activation dtype)."""
     if mbs <= 0:
         raise SpecError(f"mbs must be positive, got {mbs}")
     spec.check_tp(tp)
-    b, s, h, a, t, f, E = mbs, spec.seq_len, spec.hidden, spec.heads, tp, spec.ffn, ACT_BYTES
+    b, s, h, a, t, f, E = mbs, spec.seq_len, spec.hidden, spec.heads, tp, spec.ffn, elem_bytes
     v = spec.vocab
     kvd = spec.kv_heads * spec.head_dim          # width of k (and of v)
     qkv = h + 2 * kvd                            # width of the fused qkv output
@@ -320,8 +362,8 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
     tok = b * s * h * E                          # one full hidden activation
     att = b * (a // t) * s * s                   # elements of one tp rank's attention matrix
     drop = spec.dropout > 0
-    mask_h = b * s * h * MASK_BYTES if drop else 0
-    mask_a = att * MASK_BYTES if drop else 0
+    mask_h = b * s * h * mask_bytes if drop else 0
+    mask_a = att * mask_bytes if drop else 0
     bias = 1 if spec.bias else 0
     rms = spec.norm == "rmsnorm"
     norm_name = "rmsnorm" if rms else "layernorm"
@@ -354,12 +396,14 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int) -> dict[str, OpShape]:
                        b * s * h // t * E, gemm=True, bwd_factor=2.5))
     else:
         ops += [
-            # score reads q and k out of the fused qkv output (its input, kept whole by a
-            # checkpoint); context reuses the softmax output itself when dropout is off
-            _op("score", 2 * b * s * s * h // t, 0, b * s * (h // t + kv_l) * E, qkv_out, att * E, gemm=True),
+            # score keeps q and k, views of the fused qkv output: the whole qkv storage,
+            # counted in the first op that keeps it (as profile_ops measures); context keeps
+            # v (a view of the same storage) and the probabilities, softmax's own output
+            # (counted there) when dropout is off (layer_dataflow)
+            _op("score", 2 * b * s * s * h // t, 0, qkv_out, qkv_out, att * E, gemm=True),
             _op("softmax", 5 * att, 0, att * E, att * E, att * E),
             _op("attn-dropout", 2 * att, 0, mask_a, att * E, att * E, 2 * att * E + mask_a),
-            _op("context", 2 * b * s * s * h // t, 0, (att * E if drop else 0) + b * s * kv_l * E,
+            _op("context", 2 * b * s * s * h // t, 0, att * E if drop else 0,
                 att * E + b * s * kv_l * E, b * s * h // t * E, gemm=True),
         ]
     act_name = "swiglu" if spec.swiglu else "gelu"

@@ -15,10 +15,10 @@ def test_op_shapes_hand_count_tp1():
     assert ops["qkv"].flops_fwd == 2 * 4 * 8 * 24 and ops["qkv"].flops_bwd == 2 * 2 * 4 * 8 * 24
     assert ops["qkv"].weight_bytes == (8 * 24 + 24) * 2
     assert ops["score"].flops_fwd == 2 * 4 * 4 * 8
-    assert ops["score"].act_bytes == 4 * 16 * 2           # q and k
+    assert ops["score"].act_bytes == 4 * 24 * 2           # q, k: views of the whole qkv output
     assert ops["softmax"].act_bytes == 32 * 2             # its output
     assert ops["attn-dropout"].act_bytes == 0             # dropout off: no mask
-    assert ops["context"].act_bytes == 64                 # v (probs are softmax's: no dropout)
+    assert ops["context"].act_bytes == 0                  # v is score's qkv, probs softmax's
     assert ops["score"].input_bytes == 4 * 24 * 2         # the whole fused qkv output
     assert ops["attn-dense"].weight_bytes == (64 + 8) * 2
     assert ops["1st-layernorm"].act_bytes == 64 + 4 * 8   # input + fp32 mean/rstd
@@ -45,7 +45,7 @@ def test_activations_scale_with_mbs_and_dropout_masks():
     drop = ModelSpec("d", 2, 8, 2, ffn=32, seq_len=4, vocab=16, dropout=0.1)
     a1, a3 = op_shapes(drop, 1, 1), op_shapes(drop, 3, 1)
     assert a1["attn-dropout"].act_bytes == 32 and a3["attn-dropout"].act_bytes == 96
-    assert a1["context"].act_bytes == 32 * 2 + 64          # dropout output + v
+    assert a1["context"].act_bytes == 32 * 2               # dropout output (v: score's qkv)
     assert a1["post-mlp-dropout"].act_bytes == 32
     tok = 2 * 4 * 8 * 2
     assert tp_allreduces(drop, 2, "layer") == ((tok, tok), (tok, tok))
@@ -159,17 +159,22 @@ def test_fused_attention_keeps_no_s_by_s_tensor():
 
 
 def test_recompute_rule_for_fused_attention_and_rotary():
-    from eth.cost.model import CostModel
-    from eth.spec.model import recompute_runs
+    from eth.cost.activations import LayerKeep
+    from eth.spec.model import layer_dataflow, recompute_runs
     from eth.spec.model import layer_ops
 
     ops = op_shapes(LLAMA, 1, 1)
+    keep = LayerKeep(layer_dataflow(LLAMA), ops)
     fa = ops["fused-attention"]
-    # recomputing fused-attention frees its output and lse, keeps q, k, v (its input)
-    assert CostModel.recompute_savings(ops, {"fused-attention": 1}) == fa.act_bytes - fa.input_bytes == 128
+    # recomputing fused-attention frees its output, lse and q, k, v copies, keeps the qkv
+    # output (its input)
+    assert keep.freed({"fused-attention"}) == fa.act_bytes - fa.input_bytes == 128
     # with rotary in the run the checkpoint keeps rotary's input instead (same size)
-    assert CostModel.recompute_savings(ops, {"rotary": 1, "fused-attention": 1}) == 128
-    assert CostModel.recompute_savings(ops, {"swiglu": 2, "mlp-gemm-2": 2}) == 2 * (4 * 12 * 2)
+    assert keep.freed({"rotary", "fused-attention"}) == 128
+    # rotary alone keeps nothing, so its checkpoint keeps nothing: no change
+    assert keep.freed({"rotary"}) == 0
+    # swiglu + mlp-gemm-2 keep mlp-gemm-1's output (swiglu's input) and free g
+    assert keep.freed({"swiglu", "mlp-gemm-2"}) == ops["mlp-gemm-2"].act_bytes == 4 * 12 * 2
     assert recompute_runs({"rotary", "fused-attention", "swiglu"}, layer_ops(LLAMA)) == \
         [["rotary", "fused-attention"], ["swiglu"]]
 

@@ -60,7 +60,7 @@ import numpy as np
 
 from eth.cost.equations import eq5_end_times
 from eth.cost.model import CostModel
-from eth.spec.model import LAYER_OPS
+from eth.spec.model import LAYER_OPS, recompute_runs
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
 
 EXACT_RECOMPUTE_LAYERS = 2
@@ -147,22 +147,15 @@ _COUNTS: dict = {}
 
 def savings_per_layer(cost: CostModel, ops) -> np.ndarray:
     """sav1[mask]: bytes one layer frees recomputing the ops of bit ``mask`` (bit b =
-    LAYER_OPS[b]): every maximal run of recomputed ops frees its ops' saved activations
-    but keeps the input of its first op (the cost model's formula, vectorised here and
-    checked against CostModel.recompute_savings on sampled masks)."""
+    LAYER_OPS[b]): every maximal run of recomputed ops frees what its ops keep but keeps
+    its inputs, each tensor once (``eth.cost.activations.LayerKeep.freed_all``, the
+    vectorised count, checked here against CostModel.recompute_savings, one set at a
+    time, on sampled masks)."""
     key = tuple(ops[op] for op in LAYER_OPS)
     if key not in _SAVINGS:
+        members, total = cost.layer_keep(ops).freed_all()
         masks = np.arange(1 << len(LAYER_OPS))
-        total = np.zeros(len(masks))
-        run = np.zeros(len(masks))
-        prev = np.zeros(len(masks), dtype=bool)
-        for b, op in enumerate(LAYER_OPS):
-            on = (masks >> b & 1).astype(bool)
-            total += np.where(prev & ~on, np.maximum(run, 0.0), 0.0)     # a run ended
-            run = np.where(on & ~prev, ops[op].act_bytes - ops[op].input_bytes,
-                           np.where(on, run + ops[op].act_bytes, 0.0))
-            prev = on
-        total += np.where(prev, np.maximum(run, 0.0), 0.0)
+        assert (members @ (1 << np.arange(len(LAYER_OPS))) == masks).all()
         rng = np.random.default_rng(len(_SAVINGS))
         for m in [0, len(masks) - 1, *rng.integers(0, len(masks), 64)]:
             want = cost.recompute_savings(ops, {op: 1 for b, op in enumerate(LAYER_OPS) if m >> b & 1})
@@ -171,23 +164,18 @@ def savings_per_layer(cost: CostModel, ops) -> np.ndarray:
     return _SAVINGS[key]
 
 
-def longest_run_per_layer(ops) -> np.ndarray:
-    """run1[mask]: the largest bytes one recomputed run of bit ``mask`` frees in a layer
-    (max over its runs of max(act - input of the first op, 0)): what the backward holds
-    again when it re-runs that layer (``CostModel.remat_bytes``)."""
+def longest_run_per_layer(cost: CostModel, ops) -> np.ndarray:
+    """run1[mask]: the largest bytes one recomputed run of bit ``mask`` holds again when
+    the backward re-runs it (``LayerKeep.rematerialised``, what ``CostModel.remat_bytes``
+    takes the largest of)."""
     key = tuple(ops[op] for op in LAYER_OPS)
     if key not in _RUNS:
-        masks = np.arange(1 << len(LAYER_OPS))
-        best = np.zeros(len(masks))
-        run = np.zeros(len(masks))
-        prev = np.zeros(len(masks), dtype=bool)
-        for b, op in enumerate(LAYER_OPS):
-            on = (masks >> b & 1).astype(bool)
-            best = np.where(prev & ~on, np.maximum(best, run), best)     # a run ended
-            run = np.where(on & ~prev, ops[op].act_bytes - ops[op].input_bytes,
-                           np.where(on, run + ops[op].act_bytes, 0.0))
-            prev = on
-        _RUNS[key] = np.where(prev, np.maximum(best, run), best)
+        keep = cost.layer_keep(ops)
+        best = np.zeros(1 << len(LAYER_OPS))
+        for m in range(1, len(best)):
+            here = {op for b, op in enumerate(LAYER_OPS) if m >> b & 1}
+            best[m] = max(keep.rematerialised(run, here) for run in recompute_runs(here, LAYER_OPS))
+        _RUNS[key] = best
     return _RUNS[key]
 
 
@@ -197,9 +185,9 @@ def remat_of_vectors(cost: CostModel, ops, layers: int) -> np.ndarray:
     layer l's longest run less the activations layers l+1.. of the micro-batch freed."""
     key = (tuple(ops[op] for op in LAYER_OPS), layers)
     if key not in _REMAT:
-        sav1, run1 = savings_per_layer(cost, ops), longest_run_per_layer(ops)
+        sav1, run1 = savings_per_layer(cost, ops), longest_run_per_layer(cost, ops)
         counts, masks = count_vectors(layers)
-        full = sum(ops[op].act_bytes for op in LAYER_OPS)
+        full = cost.layer_keep(ops).total
         remat, behind = np.zeros(len(counts)), np.zeros(len(counts))
         for m in masks[::-1]:
             remat = np.maximum(remat, run1[m] - behind)

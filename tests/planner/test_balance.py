@@ -95,9 +95,11 @@ def test_recompute_is_minimal_and_fits():
     assert over == 0 and cost.fits and rec
     rec = dict(rec)
     order = ev.recompute_order("RTX3090", 4, 2)
-    last = order[len(rec) - 1]
-    assert set(rec) == set(order[:len(rec)]) and rec[last] >= 1
-    assert all(rec[op] == 3 for op in order[:len(rec) - 1])   # whole ops before the last
+    last = order[max(order.index(op) for op in rec)]
+    # the order's ops up to the last, less those whose recompute made the memory grow
+    # (softmax here: alone it keeps the scores, as large as the probabilities it frees)
+    assert set(rec) <= set(order[:order.index(last) + 1]) and rec[last] >= 1
+    assert all(rec[op] == 3 for op in rec if op != last)   # whole ops before the last
     fewer = dict(rec, **{last: rec[last] - 1})
     assert not ev.cost.stage_cost("RTX3090", 2, 1, (0, 3), 4, fewer, 0, 2, 8).fits
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from eth.cost.model import CostModel
+from eth.cost.activations import LayerKeep
 from eth.cost.floors import _recompute_hull
+from eth.spec.model import OpFlow
 from eth.planner import bounds
 from eth.spec.model import LAYER_OPS
 from eth.planner.bounds import split_floor, split_floors, stage_group_floor, sum_floors
@@ -124,22 +126,42 @@ def test_stage_time_floors_are_below_every_recompute_set_that_fits():
     assert fit > 50 and unfit > 50
 
 
+def _random_layer(rng, k):
+    """A chain of k ops (op i reads t{i-1}, "x" for the first, sometimes an earlier tensor
+    too, and makes t{i}), each keeping a random part of what it reads and makes and some
+    bytes of its own: its dataflow and op costs."""
+    flow, ops, sizes, kept = [], {}, {"x": rng.uniform(0, 6)}, set()
+    for i in range(k):
+        inputs = ("x" if i == 0 else f"t{i - 1}",)
+        if i > 1 and rng.random() < 0.3:
+            inputs += (rng.choice(["x"] + [f"t{j}" for j in range(i - 1)]),)
+        sizes[f"t{i}"] = rng.uniform(0, 6)
+        saves = tuple(t for t in inputs + (f"t{i}",) if rng.random() < 0.4)
+        own = rng.choice([0.0, rng.uniform(0, 4)])
+        act = own + sum(sizes[t] for t in saves if t not in kept)
+        kept.update(saves)
+        flow.append(OpFlow(f"op{i}", inputs, f"t{i}", saves))
+        ops[f"op{i}"] = SimpleNamespace(fwd_ms=rng.uniform(0, 3), act_bytes=act,
+                                        input_bytes=sum(sizes[t] for t in inputs), output_bytes=sizes[f"t{i}"])
+    return tuple(flow), ops
+
+
 def test_recompute_hull_is_below_every_recompute_set_of_a_layer():
     # random layers of 1-7 ops: for every bytes-to-free x, the hull is at most the least
-    # forward ms of the sets that free x (CostModel._layer_savings), exact at the most
-    # bytes, and at least the fractional knapsack it replaced (each op frees its act)
+    # forward ms of the sets that free x (LayerKeep.freed, one set at a time), exact at the
+    # most bytes, and at least the fractional knapsack (each op frees at most its act)
     rng = random.Random(13)
     tighter = 0
     for _ in range(150):
         k = rng.randint(1, 7)
-        ops = {f"op{i}": SimpleNamespace(fwd_ms=rng.uniform(0, 3), act_bytes=rng.choice([0.0, rng.uniform(0, 10)]),
-                                         input_bytes=rng.uniform(0, 6)) for i in range(k)}
+        flow, ops = _random_layer(rng, k)
+        keep = LayerKeep(flow, ops)
         order = tuple(ops)
-        heads, slopes, most = _recompute_hull(list(ops.values()))
-        points = [(CostModel._layer_savings(ops, set(r), order), sum(ops[o].fwd_ms for o in r))
+        heads, slopes, most = _recompute_hull(flow, ops)
+        points = [(keep.freed(set(r)), sum(ops[o].fwd_ms for o in r))
                   for n in range(k + 1) for r in itertools.combinations(order, n)]
-        assert math.isclose(most, max(f for f, _ in points))
-        for x in [rng.uniform(0, most) for _ in range(20)] + [f for f, _ in points]:
+        assert math.isclose(most, max(f for f, _ in points), abs_tol=1e-12)
+        for x in [rng.uniform(0, most) for _ in range(20)] + [f for f, _ in points if f >= 0]:
             hull = max(h + s * x for h, s in zip(heads, slopes))
             least = min(t for f, t in points if f >= x)
             assert hull <= least * (1 + 1e-12) + 1e-12, (x, hull, least)

@@ -7,15 +7,13 @@ No timing thresholds: times are only checked to be positive and finite.
 Saved activations (fp32 here, E = 4 bytes; op_shapes uses 2-byte activations, so its
 numbers are scaled by 4/2 where they are activation-sized).  Exact agreement:
 qkv, attn-dense, mlp-gemm-1, mlp-gemm-2 (the GEMM input), gelu (its input), the dropouts
-(nothing when dropout is 0).  Where the definitions differ (asserted exactly too):
+(nothing when dropout is 0), softmax (its output: the causal mask is a constant added),
+score (the whole fused qkv output: q and k are views of it) and context (nothing: its v
+is a view of score's storage and its probabilities are softmax's output; each storage is
+counted once per micro-batch, in the first op that saves it).  Where the definitions
+differ (asserted exactly too):
   layernorms   input (scaled) + mean/rstd, 2 x 4 bytes per token: the stats are fp32,
                so they are not scaled;
-  softmax      output + the s x s bool causal mask (constant in mbs; not in the formula);
-  score        q and k are views of the fused qkv output, whose whole storage is held:
-               3h/t wide instead of the formula's (h + kv)/t;
-  context      probs only: v is a view of that same qkv storage, already counted in
-               score (each storage is counted once per micro-batch, in the first op
-               that saves it), so score + context equals the formula's pair exactly;
   embedding    the int64 token ids (not scaled) + at tp > 1 the bool out-of-shard mask;
   head+loss    GEMM input (scaled) + fp32 softmax of the logits + cross entropy's bool
                target mask and int64 targets (9 bytes per token, not in the formula).
@@ -142,12 +140,10 @@ def expected_act(spec, mbs, tp, op):
         return scaled
     if op in ("1st-layernorm", "2nd-layernorm", "final-layernorm"):
         return b * s * h * E + b * s * 8
-    if op == "softmax":
-        return scaled + s * s
+    if op in ("softmax", "context"):   # context's probabilities are softmax's (dropout 0)
+        return scaled
     if op == "score":
         return qkv_out
-    if op == "context":
-        return b * (spec.heads // tp) * s * s * E
     if op == "embedding":
         return formula + (b * s if tp > 1 else 0)
     if op == "head+loss":
@@ -163,12 +159,11 @@ def test_saved_activation_bytes_against_op_shapes(measured):
         shapes = op_shapes(TINY, mbs, tp)
         for op in ("qkv", "attn-dense", "mlp-gemm-1", "mlp-gemm-2", "gelu"):  # the formula, exactly
             assert ops[op][3] == shapes[op].act_bytes * E // ACT_BYTES
-        # score counts the whole qkv output (q, k and v: the formula's score + context at
-        # dropout 0); the measured context adds the probabilities, which the formula
-        # attributes to softmax when attn-dropout is the identity
-        probs = mbs * (TINY.heads // tp) * TINY.seq_len ** 2 * E
-        pair = ops["score"][3] + ops["context"][3]
-        assert pair == (shapes["score"].act_bytes + shapes["context"].act_bytes) * E // ACT_BYTES + probs
+        # score counts the whole qkv output (q, k and v), context nothing: its v is a view
+        # of that storage and its probabilities are softmax's output (attn-dropout is the
+        # identity at dropout 0), counted there
+        assert ops["score"][3] == shapes["score"].act_bytes * E // ACT_BYTES
+        assert ops["context"][3] == shapes["context"].act_bytes == 0
 
 
 def test_sizes_scale_linearly_with_mbs(measured):
@@ -176,10 +171,7 @@ def test_sizes_scale_linearly_with_mbs(measured):
     for tp in TPS:
         for op in ALL_OPS:
             a1, a2, a4 = (table[(m, tp)][op][3] for m in MBS)
-            if op == "softmax":  # + the mbs-independent causal mask
-                assert a4 - a2 == 2 * (a2 - a1) and a1 - (a2 - a1) == TINY.seq_len ** 2
-            else:
-                assert a2 == 2 * a1 and a4 == 4 * a1, (op, tp)
+            assert a2 == 2 * a1 and a4 == 4 * a1, (op, tp)
             i1, i4 = table[(1, tp)][op][4], table[(4, tp)][op][4]
             assert i4 == 4 * i1, (op, tp)
             w1, w4 = table[(1, tp)][op][2], table[(4, tp)][op][2]

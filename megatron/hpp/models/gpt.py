@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eth.spec.model import ModelSpec, get_model, layer_ops
+from eth.spec.model import ModelSpec, get_model, layer_dataflow
 from eth.layout.params import ShardSpec, embedding_specs, head_specs, layer_specs
 from megatron.hpp.models import llama
 from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
@@ -80,24 +80,19 @@ def _rng_replay(tracker, saved: dict, replay: bool):
         tracker.set_states(current)
 
 
+_METHODS = {"1st-layernorm": "op_ln1", "1st-rmsnorm": "op_ln1", "qkv": "op_qkv", "rotary": "op_rotary",
+            "score": "op_score", "softmax": "op_softmax", "attn-dropout": "op_attn_dropout",
+            "context": "op_context", "fused-attention": "op_fused_attention", "attn-dense": "op_attn_dense",
+            "post-attn-dropout": "op_post_attn_dropout", "2nd-layernorm": "op_ln2", "2nd-rmsnorm": "op_ln2",
+            "mlp-gemm-1": "op_fc1", "gelu": "op_gelu", "swiglu": "op_swiglu", "mlp-gemm-2": "op_fc2",
+            "post-mlp-dropout": "op_post_mlp_dropout"}
+
+
 def op_table(spec: ModelSpec) -> tuple:
     """(op name, method, input names, output name) of every layer op of ``spec``, in
-    ``eth.spec.model.layer_ops`` order; "x" is the layer input, "out" its output."""
-    names = layer_ops(spec)
-    qkv = "qkv_r" if "rotary" in names else "qkv"
-    table = {"1st-layernorm": ("op_ln1", ("x",), "a"), "1st-rmsnorm": ("op_ln1", ("x",), "a"),
-             "qkv": ("op_qkv", ("a",), "qkv"), "rotary": ("op_rotary", ("qkv",), "qkv_r"),
-             "score": ("op_score", (qkv,), "scores"), "softmax": ("op_softmax", ("scores",), "probs"),
-             "attn-dropout": ("op_attn_dropout", ("probs",), "probs_d"),
-             "context": ("op_context", ("probs_d", qkv), "ctx"),
-             "fused-attention": ("op_fused_attention", (qkv,), "ctx"),
-             "attn-dense": ("op_attn_dense", ("ctx",), "attn"),
-             "post-attn-dropout": ("op_post_attn_dropout", ("x", "attn"), "x2"),
-             "2nd-layernorm": ("op_ln2", ("x2",), "m"), "2nd-rmsnorm": ("op_ln2", ("x2",), "m"),
-             "mlp-gemm-1": ("op_fc1", ("m",), "f1"), "gelu": ("op_gelu", ("f1",), "g"),
-             "swiglu": ("op_swiglu", ("f1",), "g"), "mlp-gemm-2": ("op_fc2", ("g",), "f2"),
-             "post-mlp-dropout": ("op_post_mlp_dropout", ("x2", "f2"), "out")}
-    return tuple((name,) + table[name] for name in names)
+    ``eth.spec.model.layer_ops`` order, with the tensors of ``eth.spec.model.layer_dataflow``
+    (the cost model's): "x" is the layer input, "out" its output."""
+    return tuple((f.name, _METHODS[f.name], f.inputs, f.output) for f in layer_dataflow(spec))
 
 
 class Layer(torch.nn.Module):
@@ -228,7 +223,8 @@ class Layer(torch.nn.Module):
                 for n in by_name[op][2]:
                     if n not in produced and n not in inputs:
                         inputs.append(n)
-                produced.append(by_name[op][3])
+                if by_name[op][3] not in produced:   # attn-dropout as the identity: "probs" again
+                    produced.append(by_name[op][3])
             later = {n for op in table[i + len(ops):] for n in op[2]} | {"out"}
             outputs = tuple(n for n in produced if n in later)
             segments.append((ops, tuple(inputs), outputs))

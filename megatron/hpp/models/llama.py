@@ -207,10 +207,19 @@ def scores(qkv, groups: int, group: int, head_dim: int):
     return out.reshape(b, groups * group, s, s)
 
 
+@functools.lru_cache(maxsize=8)
+def _causal_bias(s: int, device, dtype) -> torch.Tensor:
+    """[s, s]: 0 on and below the diagonal, -inf above (one per shape, shared by the layers)."""
+    return torch.full((s, s), float("-inf"), device=device, dtype=dtype).triu(1)
+
+
 def causal_softmax(scores_):
+    """Softmax over the last dimension with the future masked out.  The mask is added
+    (x + 0 = x, x + -inf = -inf: the same values as masked_fill) as a constant, so
+    autograd keeps only softmax's output, as ``eth.spec.model.op_shapes`` counts it
+    (masked_fill would keep an s x s bool mask per layer)."""
     s = scores_.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=scores_.device).triu(1)
-    return torch.softmax(scores_.masked_fill(causal, float("-inf")), dim=-1)
+    return torch.softmax(scores_ + _causal_bias(s, scores_.device, scores_.dtype), dim=-1)
 
 
 def context(probs, qkv, groups: int, group: int, head_dim: int):

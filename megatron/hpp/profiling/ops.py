@@ -52,7 +52,9 @@ What is measured and how:
   already saved (it is held once, so it is counted once, in the first op that saves
   it: the ops' sum is the memory a layer keeps).  A view shares its base's storage:
   score saves q and k, views of the fused qkv output, so score counts the whole qkv
-  output and context (which saves v, another view of it) only the attention probs.
+  output and context (which saves v, another view of it) only the attention probs
+  after dropout (none at dropout 0: then they are softmax's output, which softmax
+  keeps and counts).
 * input_bytes / output_bytes: ``numel * element_size`` of the op's tensor arguments
   (token ids and labels included) and of its output.
 * reserved_bytes: CPU: ``eth.profiles.db.RESERVED_BYTES`` (an analytic default; the CPU
@@ -248,10 +250,11 @@ def _fresh(env: dict, names) -> list:
 # ----------------------------------------------------------------------------------
 # Measuring one op.
 
-def saved_activation_bytes(fn, args, params, held=()) -> tuple[float, set, torch.Tensor]:
+def saved_activation_bytes(fn, args, params, held=()) -> tuple[float, set, torch.Tensor, bool]:
     """(bytes of the unique non-parameter storages saved for backward, indices of the
-    args whose storage was saved, output) of fn(*args).  Storages of the args listed in
-    ``held`` (already counted by an earlier op) are not counted again."""
+    args whose storage was saved, output, whether the output's storage was saved) of
+    fn(*args).  Storages of the args listed in ``held`` (already counted by an earlier
+    op) are not counted again."""
     skip = {p.untyped_storage().data_ptr() for p in params}
     skip |= {args[i].untyped_storage().data_ptr() for i in held}
     arg_of = {a.untyped_storage().data_ptr(): i for i, a in enumerate(args)}
@@ -268,7 +271,7 @@ def saved_activation_bytes(fn, args, params, held=()) -> tuple[float, set, torch
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
-    return float(sum(storages.values())), saved_args, out
+    return float(sum(storages.values())), saved_args, out, out.untyped_storage().data_ptr() in storages
 
 
 def measure_sizes(op: _Op, env: dict, device: torch.device, held: set | None = None) -> dict:
@@ -286,9 +289,11 @@ def measure_sizes(op: _Op, env: dict, device: torch.device, held: set | None = N
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    act, saved, out = saved_activation_bytes(
+    act, saved, out, saved_out = saved_activation_bytes(
         op.fn, args, op.params, [i for i, n in enumerate(op.inputs) if n in held])
     held.update(op.inputs[i] for i in saved)
+    if saved_out:   # softmax keeps its probabilities, which context reads (dropout 0: as they are)
+        held.add(op.output)
     torch.autograd.backward(out, torch.randn_like(out) if out.dim() else torch.ones_like(out))
     weight = float(sum(_nbytes(p) for p in op.params if p.grad is not None))
     workspace = float(torch.cuda.max_memory_reserved(device) - before) if cuda else 0.0
