@@ -17,11 +17,11 @@ then dominates the iteration (found by the brute-force cross-check).  The group'
 AR (more holders, slower links) is never smaller, so Gbs / ms stays a valid throughput
 upper bound for early skipping.  The recompute set ``ro`` of a
 stage is not searched but derived (:meth:`Evaluator.fit_stage`, paper section 6): if
-the stage does not fit in device memory, ops are recomputed in order of saved
-activation bytes per recompute millisecond (high-memory, low-cost first), each in all
-of the stage's layers, until the stage fits; the last op's layer count is then reduced
-to the smallest number that still fits (binary search).  An op whose recompute makes
-the stage's memory grow is skipped: the backward holds a recomputed run again
+the stage does not fit in device memory, runs of ops are recomputed in order of the
+activation bytes they free per recompute millisecond (high-memory, low-cost first;
+:meth:`Evaluator.recompute_order`), each in all of the stage's layers, until the stage
+fits; the last run's layer count is then reduced to the smallest number that still fits
+(binary search).  A run whose recompute makes the stage's memory grow is skipped: the backward holds a recomputed run again
 (``CostModel.remat_bytes``), so an op that joins runs into a longer one can cost more
 than it frees.  A stage that does not fit carries its overflow (bytes over capacity,
 with the op set found or every op recomputed, whichever holds less) as a penalty;
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 from eth.cost.equations import StageCost, eq1_pipeline_ms, eq6_allreduce_ms
 from eth.cost.model import CostModel
-from eth.spec.model import layer_ops
 from eth.planner.enumerate import tp_groups_in_nodes
 
 
@@ -179,15 +178,19 @@ class Evaluator:
                                     if tp_groups_in_nodes(self.cost.cluster, list(ranks), tp))
         return self._tps[rkey]
 
-    def recompute_order(self, device_type: str, micro: int, tp: int) -> list[str]:
-        """Layer ops by saved activation bytes per recompute ms, best first."""
+    def recompute_order(self, device_type: str, micro: int, tp: int) -> list[tuple[str, ...]]:
+        """Runs of layer ops in the order recompute takes them (each run whole): greedily,
+        the contiguous run of ops not taken yet that frees the most bytes per recompute ms
+        together with those taken (``eth.cost.activations.LayerKeep``: what a run frees
+        depends on its neighbours -- softmax alone frees nothing, since its input, the
+        scores, must then be kept; with score it frees the scores too), ties to the
+        earliest, then shortest run; ops that free nothing in any run are left out.  With
+        additive savings (every op frees its own bytes) these are single ops by bytes per
+        ms, equal ratios in layer order."""
         key = (device_type, micro, tp)
         if key not in self._order:
             ops, _ = self.cost.profiles.layer_costs(device_type, self.model, micro, tp)
-            order = layer_ops(self.model)
-            cand = [op for op in order if ops[op].act_bytes > 0]
-            cand.sort(key=lambda op: (-ops[op].act_bytes / max(ops[op].fwd_ms, 1e-9), order.index(op)))
-            self._order[key] = cand
+            self._order[key] = _greedy_runs(self.cost.layer_keep(ops), ops)
         return self._order[key]
 
     def fit_stage(self, st: StageState, layers: tuple[int, int], mbs: int, j: int, num_stages: int,
@@ -240,25 +243,27 @@ class Evaluator:
 
             chosen: dict[str, int] = {}
             found, skipped, best = False, 0, c.inflight * c.act_bytes
-            order = self.recompute_order(st.device_type, mbs // st.dp, st.tp)
+            runs = self.recompute_order(st.device_type, mbs // st.dp, st.tp)
+            order = [op for run in runs for op in run]
             if room >= 0:
-                for k, op in enumerate(order):
-                    chosen[op] = nl
+                for k, run in enumerate(runs):
+                    chosen.update((op, nl) for op in run)
                     now = held(chosen, skey + (skipped, k, nl))
                     if now <= room:
                         lo, hi = 0, nl
                         while hi - lo > 1:
                             mid = (lo + hi) // 2
-                            chosen[op] = mid
+                            chosen.update((op, mid) for op in run)
                             if held(chosen, skey + (skipped, k, mid)) <= room:
                                 hi = mid
                             else:
                                 lo = mid
-                        chosen[op] = hi
+                        chosen.update((op, hi) for op in run)
                         found = True
                         break
-                    if now > best:   # joined runs the backward holds again: worse, skip op
-                        del chosen[op]
+                    if now > best:   # joined runs the backward holds again: worse, skip them
+                        for op in run:
+                            del chosen[op]
                         skipped |= 1 << k
                     else:
                         best = now
@@ -401,3 +406,29 @@ class Evaluator:
                                      (1, 2) if self.model.num_layers > 2 else (0, 1), mbs)
             hit = self._fit[key] = max(c.total_ms, 1e-9)
         return hit
+
+
+def _greedy_runs(keep, ops) -> list[tuple[str, ...]]:
+    """:meth:`Evaluator.recompute_order` of the layer ``keep`` (op costs ``ops``)."""
+    members, freed = keep.freed_all()
+    order, k = keep.order, len(keep.order)
+    ms = [max(ops[op].fwd_ms, 1e-9) for op in order]
+    taken, mask, out = [False] * k, 0, []
+    while True:
+        best = None
+        for i in range(k):
+            seg, spent = 0, 0.0
+            for j in range(i, k):
+                if taken[j]:
+                    break
+                seg |= 1 << j
+                spent += ms[j]
+                gain = freed[mask | seg] - freed[mask]
+                if gain > 0 and (best is None or gain / spent > best[0] * (1 + 1e-12)):
+                    best = (gain / spent, i, j, seg)
+        if best is None:
+            return out
+        _, i, j, seg = best
+        out.append(order[i:j + 1])
+        mask |= seg
+        taken[i:j + 1] = [True] * (j + 1 - i)

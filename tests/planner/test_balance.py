@@ -62,7 +62,9 @@ def _hand_evaluator(memory_gb):
 
 
 def test_recompute_order_is_bytes_per_ms_of_the_profile():
-    assert _hand_evaluator(1.0).recompute_order("cpu", 1, 1) == HAND_ORDER
+    # inputs and outputs of 0 bytes: every op frees its own bytes, so the runs are single
+    # ops by bytes per ms (a longer run's ratio is a mean of its ops')
+    assert _hand_evaluator(1.0).recompute_order("cpu", 1, 1) == [(op,) for op in HAND_ORDER]
 
 
 @pytest.mark.parametrize("need, chosen", [
@@ -94,13 +96,13 @@ def test_recompute_is_minimal_and_fits():
     cost, rec, over = ev.fit_stage(st, (0, 3), 4, 0, 2, 8, None, None)
     assert over == 0 and cost.fits and rec
     rec = dict(rec)
-    order = ev.recompute_order("RTX3090", 4, 2)
-    last = order[max(order.index(op) for op in rec)]
-    # the order's ops up to the last, less those whose recompute made the memory grow
-    # (softmax here: alone it keeps the scores, as large as the probabilities it frees)
-    assert set(rec) <= set(order[:order.index(last) + 1]) and rec[last] >= 1
-    assert all(rec[op] == 3 for op in rec if op != last)   # whole ops before the last
-    fewer = dict(rec, **{last: rec[last] - 1})
+    runs = ev.recompute_order("RTX3090", 4, 2)
+    k = max(i for i, run in enumerate(runs) if set(run) & set(rec))
+    # the order's runs up to the last, less those whose recompute made the memory grow
+    assert set(rec) <= {op for run in runs[:k + 1] for op in run} and set(runs[k]) <= set(rec)
+    assert len({rec[op] for op in runs[k]}) == 1 and rec[runs[k][0]] >= 1   # one count per run
+    assert all(rec[op] == 3 for op in rec if op not in runs[k])   # whole runs before the last
+    fewer = dict(rec, **{op: rec[op] - 1 for op in runs[k]})
     assert not ev.cost.stage_cost("RTX3090", 2, 1, (0, 3), 4, fewer, 0, 2, 8).fits
 
 

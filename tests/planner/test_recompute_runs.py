@@ -79,22 +79,22 @@ def test_run_fit_is_the_fastest_of_the_rule_and_every_run():
         again = cost.stage_cost(st.device_type, st.tp, st.dp, layers, mbs, dict(got[1]), j, S, nmb)
         assert again.total_ms == pytest.approx(got[0].total_ms, rel=1e-12) and again.fits
         improved += got[0].total_ms < base[0].total_ms * (1 - 1e-9)
-    # the draws exercise the runs: many stages need recompute, and runs win on some
-    assert checked >= 50 and improved >= 5, (checked, improved)
+    # the draws exercise the runs: many stages need recompute, and runs win on some (4 of
+    # 162 since the rule itself takes runs, Evaluator.recompute_order)
+    assert checked >= 50 and improved >= 3, (checked, improved)
 
 
 def test_the_search_uses_runs_and_is_not_slower_on_a_memory_starved_device():
-    """2 A100 of 2 GB, gbs 16: a recomputed run makes the searched plan faster than the op
-    order's choice (17.644 vs 17.7745 ms when written).  The 1 A100 of 3 GB case of
-    test_baselines.py no longer shows it: since the memory model counts the re-materialised
-    run (eth.cost.model ``remat_bytes``) the op order's fit there is as fast.  Compared without
-    the polish: its last step cuts the best plan's recompute to a locally least set
-    (eth.planner.polish.least_recompute), which reaches 17.6225 ms from either choice."""
+    """2 A100 of 2 GB, gbs 16: the searched plan with the run fits is not slower than with
+    the op order's alone.  (A recomputed run made it faster, 17.644 vs 17.7745 ms, while the
+    op order took single ops; since it takes runs (Evaluator.recompute_order) both reach
+    the same plan here.)  Compared without the polish: its last step cuts the best plan's
+    recompute to a locally least set (eth.planner.polish.least_recompute)."""
     cluster = make_cluster([{"type": "A100", "devices_per_node": 2}], device_types={"A100": {"memory_gb": 2}})
     db = profiles_for(M4, cluster)
     on = search(M4, cluster, db, SearchOptions(gbs=16, seeds=False, polish_top=0))
     off = search(M4, cluster, db, SearchOptions(gbs=16, seeds=False, recompute_runs=False, polish_top=0))
-    assert on.predicted["iteration_ms"] < off.predicted["iteration_ms"] * (1 - 1e-3)
+    assert on.predicted["iteration_ms"] <= off.predicted["iteration_ms"] * (1 + 1e-9)
     polished = search(M4, cluster, db, SearchOptions(gbs=16, seeds=False))
     assert polished.predicted["iteration_ms"] <= on.predicted["iteration_ms"] * (1 + 1e-9)
     assert on.search["options"]["recompute_runs"] and not off.search["options"]["recompute_runs"]
