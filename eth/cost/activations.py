@@ -52,6 +52,7 @@ class LayerKeep:
                     for f in flow}
         self.total = float(sum(ops[op].act_bytes for op in self.order))
         self._keeps = {f.name: bool(f.saves) or self.own[f.name] > 0 for f in flow}
+        self._memo: dict = {}
         # every (tensor, reader): the ops from the tensor's maker to the reader ("x": none)
         self._reads = []
         for j, f in enumerate(flow):
@@ -62,9 +63,16 @@ class LayerKeep:
                          for t in first_keeper}
 
     # ------------------------------------------------------------------ one set
-    def named_kept(self, recomputed) -> set[str]:
+    def named_kept(self, recomputed) -> frozenset[str]:
         """The named tensors kept with the ops ``recomputed``: kept by an op not in it, or
-        read by a run of it from outside the run."""
+        read by a run of it from outside the run (memoised per set)."""
+        key = frozenset(recomputed)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = frozenset(self._named_kept(key))
+        return hit
+
+    def _named_kept(self, recomputed) -> set[str]:
         kept = {t for op, f in self.flow.items() if op not in recomputed for t in f.saves}
         for run in recompute_runs(set(recomputed), self.order):
             if not any(self._keeps[op] for op in run):
