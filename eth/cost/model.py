@@ -78,8 +78,8 @@ from eth.cost.equations import STEP_ALLREDUCES, StageCost, eq1_pipeline_ms, eq5_
 from eth.cost.floors import StageFloors
 from eth.errors import SpecError
 from eth.spec.cluster import Cluster
-from eth.spec.model import (ACT_BYTES, KNOWN_LAYER_OPS, ModelSpec, layer_dataflow, layer_ops, post_ops, pre_ops, recompute_runs,
-                            tp_allgathers, tp_allreduces)
+from eth.spec.model import (ACT_BYTES, KNOWN_LAYER_OPS, ModelSpec, layer_dataflow, layer_ops, post_ops, pre_ops,
+                            recompute_runs, tp_allgathers, tp_allreduces)
 from eth.spec.precision import TrainSetup
 from eth.profiles.db import ProfileDB, collective_ms
 

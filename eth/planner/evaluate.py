@@ -21,11 +21,11 @@ the stage does not fit in device memory, runs of ops are recomputed in order of 
 activation bytes they free per recompute millisecond (high-memory, low-cost first;
 :meth:`Evaluator.recompute_order`), each in all of the stage's layers, until the stage
 fits; the last run's layer count is then reduced to the smallest number that still fits
-(binary search).  A run whose recompute makes the stage's memory grow is skipped: the backward holds a recomputed run again
-(``CostModel.remat_bytes``), so an op that joins runs into a longer one can cost more
-than it frees.  A stage that does not fit carries its overflow (bytes over capacity,
-with the op set found or every op recomputed, whichever holds less) as a penalty;
-configurations compare by (overflow, Eq. 1 time).
+(binary search).  A run whose recompute makes the stage's memory grow is skipped: the
+backward holds a recomputed run again (``CostModel.remat_bytes``), so an op that joins
+runs into a longer one can cost more than it frees.  A stage that does not fit carries
+its overflow (bytes over capacity, with the op set found or every op recomputed,
+whichever holds less) as a penalty; configurations compare by (overflow, Eq. 1 time).
 """
 from __future__ import annotations
 
