@@ -40,7 +40,6 @@ class LayerKeep:
     def __init__(self, flow, ops):
         self.order = tuple(f.name for f in flow)
         self.flow = {f.name: f for f in flow}
-        producer = {f.output: f.name for f in flow}
         self.size = {f.output: float(ops[f.name].output_bytes) for f in flow}
         self.size["x"] = float(ops[self.order[0]].input_bytes)
         first_keeper: dict[str, str] = {}
@@ -53,12 +52,13 @@ class LayerKeep:
         self.total = float(sum(ops[op].act_bytes for op in self.order))
         self._keeps = {f.name: bool(f.saves) or self.own[f.name] > 0 for f in flow}
         self._memo: dict = {}
-        # every (tensor, reader): the ops from the tensor's maker to the reader ("x": none)
+        # every (tensor, reader, its maker: the last op before the reader that outputs it;
+        # None for "x"): attn-dropout at dropout 0 passes "probs" on as its own output
         self._reads = []
         for j, f in enumerate(flow):
             for t in f.inputs:
-                start = self.order.index(producer[t]) if t in producer else None
-                self._reads.append((t, j, start))
+                makers = [i for i in range(j) if flow[i].output == t]
+                self._reads.append((t, j, makers[-1] if makers else None))
         self._keepers = {t: [self.order.index(op) for op, fl in self.flow.items() if t in fl.saves]
                          for t in first_keeper}
 

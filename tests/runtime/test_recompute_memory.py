@@ -117,7 +117,7 @@ def test_a_run_after_the_op_that_keeps_its_input_frees_all_it_keeps():
     assert keep.freed({"post-attn-dropout"}) == 0
 
 
-@pytest.mark.parametrize("name", ["gpt-dropout", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "gpt-dropout", "llama"])
 def test_freed_of_every_set_vectorised_equals_one_set_at_a_time(name):
     spec = SPECS[name]
     keep = LayerKeep(layer_dataflow(spec), _shapes(spec, 2))
