@@ -35,20 +35,26 @@ from eth.spec.model import recompute_runs
 
 class LayerKeep:
     """The bytes one layer keeps for backward (module docstring), for the layer ops
-    ``ops`` (name -> op cost with act/input/output bytes) of the dataflow ``flow``."""
+    ``ops`` (name -> op cost with act/input/output bytes) of the dataflow ``flow``;
+    ``held``: only those ops of the layer (a stage that starts or ends inside it), whose
+    tensors made before the part are read like the layer input."""
 
-    def __init__(self, flow, ops):
-        self.order = tuple(f.name for f in flow)
-        self.flow = {f.name: f for f in flow}
+    def __init__(self, flow, ops, held=None):
         self.size = {f.output: float(ops[f.name].output_bytes) for f in flow}
-        self.size["x"] = float(ops[self.order[0]].input_bytes)
+        self.size["x"] = float(ops[flow[0].name].input_bytes)
         first_keeper: dict[str, str] = {}
         for f in flow:
             for t in f.saves:
                 first_keeper.setdefault(t, f.name)
-        self.own = {f.name: float(ops[f.name].act_bytes) - sum(self.size[t] for t in f.saves
-                                                               if first_keeper[t] == f.name)
-                    for f in flow}
+        own = {f.name: float(ops[f.name].act_bytes) - sum(self.size[t] for t in f.saves
+                                                          if first_keeper[t] == f.name)
+               for f in flow}
+        if held is not None:
+            flow = tuple(f for f in flow if f.name in held)
+            first_keeper = {t: op for t, op in first_keeper.items() if any(t in f.saves for f in flow)}
+        self.order = tuple(f.name for f in flow)
+        self.flow = {f.name: f for f in flow}
+        self.own = {f.name: own[f.name] for f in flow}
         self.total = float(sum(ops[op].act_bytes for op in self.order))
         self._keeps = {f.name: bool(f.saves) or self.own[f.name] > 0 for f in flow}
         self._memo: dict = {}
@@ -61,6 +67,8 @@ class LayerKeep:
                 self._reads.append((t, j, makers[-1] if makers else None))
         self._keepers = {t: [self.order.index(op) for op, fl in self.flow.items() if t in fl.saves]
                          for t in first_keeper}
+        if held is not None:   # what the part keeps without recompute, each tensor once
+            self.total = self.kept(())
 
     # ------------------------------------------------------------------ one set
     def named_kept(self, recomputed) -> frozenset[str]:

@@ -78,8 +78,8 @@ from eth.cost.equations import STEP_ALLREDUCES, StageCost, eq1_pipeline_ms, eq5_
 from eth.cost.floors import StageFloors
 from eth.errors import SpecError
 from eth.spec.cluster import Cluster
-from eth.spec.model import (ACT_BYTES, KNOWN_LAYER_OPS, ModelSpec, layer_dataflow, layer_ops, post_ops, pre_ops,
-                            recompute_runs, tp_allgathers, tp_allreduces)
+from eth.spec.model import (ACT_BYTES, KNOWN_LAYER_OPS, ModelSpec, cut_tensors, layer_dataflow, layer_ops, post_ops,
+                            pre_ops, recompute_runs, tp_allgathers, tp_allreduces)
 from eth.spec.precision import TrainSetup
 from eth.profiles.db import ProfileDB, collective_ms
 
@@ -117,8 +117,10 @@ class CostModel(StageFloors):
     def stage_cost(self, device_type: str, tp: int, dp: int, layers: tuple[int, int], mbs: int,
                    recompute: dict[str, int] | None = None, stage_index: int = 0,
                    num_stages: int = 1, num_microbatches: int | None = None,
-                   ranks=None, next_ranks=None, prev_ranks=None) -> StageCost:
-        """Cost of one stage; see the module docstring for the formulas."""
+                   ranks=None, next_ranks=None, prev_ranks=None, ops=None) -> StageCost:
+        """Cost of one stage; see the module docstring for the formulas.  ``ops``: the
+        stage starts or ends inside a layer (``eth.spec.plan.StagePlan.ops``):
+        :meth:`cut_stage_shape`."""
         if mbs % dp:
             raise SpecError(f"mbs {mbs} is not divisible by dp {dp}")
         recompute = {op: n for op, n in (recompute or {}).items() if n > 0}
@@ -127,6 +129,9 @@ class CostModel(StageFloors):
         if num_microbatches is not None:
             inflight = max(1, min(inflight, num_microbatches))
         links = self.stage_links(device_type, tp, ranks, next_ranks, prev_ranks)
+        if ops is not None:
+            shape = self.cut_stage_shape(device_type, tp, mbs // dp, layers, ops, recompute, links)
+            return self._stage_from_shape(shape, device_type, dp, inflight)
         return self.stage_cost_at(device_type, tp, dp, end - start, start == 0, end == self.model.num_layers,
                                   mbs, recompute, inflight, links)
 
@@ -157,6 +162,12 @@ class CostModel(StageFloors):
         if shape is None:
             shape = self._cache[skey] = self._stage_shape(device_type, tp, mbs // dp, nl, first, last,
                                                           recompute, links)
+        cost = self._stage_from_shape(shape, device_type, dp, inflight)
+        self._cache[key] = cost
+        return cost
+
+    def _stage_from_shape(self, shape: tuple, device_type: str, dp: int, inflight: int) -> StageCost:
+        """The StageCost of a :meth:`_stage_shape` tuple at ``dp`` and ``inflight``."""
         fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b, transient = shape
         memory = (params * self.setup.state_bytes_per_param(dp)
                   + self.peak_extra(params, inflight * max(act, 0.0) + transient) + reserved)
@@ -166,8 +177,89 @@ class CostModel(StageFloors):
         cost.__dict__.update(fwd_ms=fwd, bwd_ms=bwd, recompute_ms=recompute_ms, comm_ms=comm, params=params,
                              act_bytes=max(act, 0.0), inflight=inflight, memory_bytes=memory,
                              capacity_bytes=capacity, send_fwd_ms=send_f, send_bwd_ms=send_b)
-        self._cache[key] = cost
         return cost
+
+    def cut_stage_shape(self, device_type: str, tp: int, micro: int, layers: tuple[int, int],
+                        ops: tuple[str, str], recompute: dict[str, int],
+                        links: tuple[float, float, float]) -> tuple:
+        """:meth:`_stage_shape` of a stage that starts or ends inside a layer, layer by layer:
+        each layer's held ops (``StagePlan.held_ops``) add their times and weights, and
+        keep :class:`eth.cost.activations.LayerKeep` of that part under its recomputed
+        ops (``StagePlan.recompute_layers``); a layer's TP all-reduces count with the
+        ops they follow (attn-dense, mlp-gemm-2 forward; qkv, mlp-gemm-1 backward).  A
+        boundary inside a layer carries ``eth.spec.model.cut_tensors``: the p2p messages
+        are their bytes, the tp-sharded ones are all-gathered over the sender's tp group
+        (forward) and the receiver's (backward), and the received buffer is kept per
+        micro-batch in flight.  Not memoised: plans are evaluated, not searched, here."""
+        from eth.spec.plan import StagePlan
+
+        model, names = self.model, layer_ops(self.model)
+        stage = StagePlan([], device_type, tp, 1, tuple(layers), recompute, ops=tuple(ops))
+        a, b = stage.span(model)
+        first, last = a == 0, b == model.num_layers * len(names)
+        prof = self.profiles.get(device_type)
+        scale = prof.dtype_bytes / ACT_BYTES
+        costs, reserved = self.profiles.layer_costs(device_type, model, micro, tp)
+        full = self.layer_keep(costs)
+        link_tp, link_next, link_prev = links
+        measured = self._measured(prof, device_type, link_tp)
+        tp_comm = tp > 1 and not prof.tp_comm_included(model)
+        tok = tp_allreduces(model, micro, "layer")[0][0] * scale
+        ar = collective_ms("all_reduce", tp, tok, link_tp, measured) if tp_comm else 0.0
+        ag_f, ag_b = tp_allgathers(model, micro, tp)
+        oh = self.profiles.overheads(device_type, model, micro, tp)
+        fwd = bwd = weights = act = recompute_ms = comm = remat = 0.0
+        for layer in range(*layers):
+            held = stage.held_ops(model, layer)
+            redo = {op for op in recompute if layer in stage.recompute_layers(model, op)}
+            fwd += sum(costs[op].fwd_ms for op in held) + oh[0]
+            bwd += sum(costs[op].bwd_ms for op in held) + oh[1]
+            weights += sum(costs[op].weight_bytes for op in held)
+            keep = full if held == names else LayerKeep(layer_dataflow(model), costs, held)
+            act += keep.kept(redo)
+            recompute_ms += sum(costs[op].fwd_ms for op in redo)
+            runs = recompute_runs(redo, held)
+            fwd += len(runs) * oh[6] + sum(map(len, runs)) * oh[8]
+            bwd += len(runs) * oh[7] + sum(map(len, runs)) * oh[9]
+            remat = max([remat] + [keep.rematerialised(run, redo) for run in runs])
+            if tp_comm:
+                comm_f = ar * (("attn-dense" in held) + ("mlp-gemm-2" in held))
+                comm_b = ar * (("qkv" in held) + ("mlp-gemm-1" in held))
+                again = ar * (("attn-dense" in redo) + ("mlp-gemm-2" in redo))
+                if ag_f and "qkv" in held:
+                    comm_f += sum(collective_ms("all_gather", tp, x * scale, link_tp, measured) for x in ag_f)
+                    comm_b += sum(collective_ms("reduce_scatter", tp, x * scale, link_tp, measured) for x in ag_b)
+                fwd, bwd, comm = fwd + comm_f, bwd + comm_b, comm + comm_f + comm_b + again
+                recompute_ms += again
+        for op in (pre_ops(model) if first else ()) + (post_ops(model) if last else ()):
+            fwd, bwd = fwd + costs[op].fwd_ms, bwd + costs[op].bwd_ms
+            weights, act = weights + costs[op].weight_bytes, act + costs[op].act_bytes
+        if tp_comm:
+            for part in (["pre"] if first else []) + (["post"] if last else []):
+                f_sizes, b_sizes = tp_allreduces(model, micro, part)
+                comm_f = sum(collective_ms("all_reduce", tp, x * scale, link_tp, measured) for x in f_sizes)
+                comm_b = sum(collective_ms("all_reduce", tp, x * scale, link_tp, measured) for x in b_sizes)
+                fwd, bwd, comm = fwd + comm_f, bwd + comm_b, comm + comm_f + comm_b
+        fwd += oh[2]
+        bwd += oh[3] + recompute_ms
+        send_f = send_b = 0.0
+        for pos, is_in in ((a, True), (b, False)):
+            if (is_in and first) or (not is_in and last):
+                continue
+            cut = cut_tensors(model, names[pos % len(names) - 1]) if pos % len(names) else ()
+            message = micro * (sum(t.numel for t in cut) if cut else model.seq_len * model.hidden) * ACT_BYTES * scale
+            link = link_prev if is_in else link_next
+            p2p = collective_ms("p2p", 2, message, link, self._measured(prof, device_type, link))
+            sharded = micro * sum(t.numel for t in cut if t.shard) * ACT_BYTES * scale
+            gather = collective_ms("all_gather", tp, sharded, link_tp, measured) if tp > 1 and sharded else 0.0
+            if is_in:
+                act += message if cut else 0.0   # at a layer boundary the first op keeps it
+                send_b, bwd = p2p, bwd + p2p + gather
+            else:
+                send_f, fwd = p2p, fwd + p2p + gather
+            comm += p2p + gather
+        transient = self.backward_bytes(costs, last) + remat
+        return fwd, bwd, recompute_ms, comm, weights / prof.dtype_bytes, act, reserved, send_f, send_b, transient
 
     def _stage_shape(self, device_type: str, tp: int, micro: int, nl: int, first: bool, last: bool,
                      recompute: dict[str, int], links: tuple[float, float, float]) -> tuple:
@@ -460,7 +552,7 @@ class CostModel(StageFloors):
         return [self.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute,
                                 j, len(stages), n_mb, s.ranks,
                                 stages[j + 1].ranks if j + 1 < len(stages) else None,
-                                stages[j - 1].ranks if j > 0 else None)
+                                stages[j - 1].ranks if j > 0 else None, getattr(s, "ops", None))
                 for j, s in enumerate(stages)]
 
     # ------------------------------------------------------------------ all-reduce

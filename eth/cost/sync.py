@@ -37,7 +37,7 @@ import math
 from bisect import bisect_right
 from functools import lru_cache
 
-from eth.layout.params import block_keys, block_position, block_specs
+from eth.layout.params import block_position, block_specs, stage_blocks
 from eth.spec.plan import stage_holding
 from eth.spec.precision import OPTIMIZER_BYTES
 
@@ -56,9 +56,10 @@ def block_split(model, block: str) -> tuple[int, int]:
 
 def _replicas(plan) -> dict[str, list[tuple[int, ...]]]:
     out: dict = {}
-    for pipe in plan.pipelines:
+    held = stage_blocks(plan)
+    for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):
-            for key in block_keys(*st.layers, j == 0, j == len(pipe.stages) - 1):
+            for key in held[i, j]:
                 out.setdefault(key, []).extend(st.replica(d) for d in range(st.dp))
     return out
 
@@ -89,9 +90,10 @@ def group_sync_bytes(plan, setup) -> dict[tuple[int, ...], int]:
 def rank_state_bytes(plan, setup) -> dict[int, dict[str, int]]:
     """{rank: {"weights", "grads", "optimizer"}} bytes the runtime allocates (after a step)."""
     out = {}
-    for pipe in plan.pipelines:
+    held = stage_blocks(plan)
+    for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):
-            keys = block_keys(*st.layers, j == 0, j == len(pipe.stages) - 1)
+            keys = held[i, j]
             params = sum(part // st.tp + repl for part, repl in (block_split(plan.model, k) for k in keys))
             for r in st.ranks:
                 out[r] = {"weights": params * setup.weight_bytes, "grads": 0, "optimizer": 0}
@@ -117,6 +119,8 @@ def stage_allreduce_ms(cost, pipelines) -> list[list[float]]:
     the segment's layer count times one layer's Eq. 6 at the stage's tp."""
     from eth.cost.equations import eq6_allreduce_ms
 
+    if any(getattr(st, "ops", None) is not None for q in pipelines for st in q.stages):
+        return _blockwise_allreduce_ms(cost, pipelines)
     model, per_elem = cost.model, cost.setup.sync_bytes_per_element()
     layer_part, layer_repl = block_split(model, "layer 0")
     bounds = sorted({b for q in pipelines for st in q.stages for b in st.layers})
@@ -154,6 +158,33 @@ def stage_allreduce_ms(cost, pipelines) -> list[list[float]]:
                             (part / st.tp + repl) * per_elem, sum(hs.dp for hs in holders),
                             cost.cluster.link_gbps([r for hs in holders for r in hs.ranks]))
                     total += ms
+            row.append(total)
+        result.append(row)
+    return result
+
+
+def _blockwise_allreduce_ms(cost, pipelines) -> list[list[float]]:
+    """:func:`stage_allreduce_ms` block by block (:func:`eth.layout.params.stage_blocks`):
+    for plans whose stages start or end inside a layer, whose layers are cut into parts."""
+    from types import SimpleNamespace
+
+    from eth.cost.equations import eq6_allreduce_ms
+
+    held = stage_blocks(SimpleNamespace(model=cost.model, pipelines=pipelines))
+    holders: dict[str, list] = {}
+    for (i, j), keys in held.items():
+        for key in keys:
+            holders.setdefault(key, []).append(pipelines[i].stages[j])
+    per_elem, result = cost.setup.sync_bytes_per_element(), []
+    for i, p in enumerate(pipelines):
+        row = []
+        for j, st in enumerate(p.stages):
+            total = 0.0
+            for key in held[i, j]:
+                part, repl = block_split(cost.model, key)
+                hs = holders[key]
+                total += eq6_allreduce_ms((part / st.tp + repl) * per_elem, sum(h.dp for h in hs),
+                                          cost.cluster.link_gbps([r for h in hs for r in h.ranks]))
             row.append(total)
         result.append(row)
     return result

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, field
 
 from eth.errors import PlanError
-from eth.layout.params import ShardSpec, block_keys, block_position, block_specs
+from eth.layout.params import ShardSpec, block_position, block_specs, stage_blocks
 from eth.spec.plan import Plan
 
 STRATEGIES = ("block", "device", "tensor")
@@ -143,9 +143,10 @@ class GradLayout:
         self.plan, self.strategy, self.bucket_numel = plan, strategy, bucket_numel
         self.info: dict[int, RankInfo] = {}
         replicas: dict[str, list[tuple[int, ...]]] = {}
-        for pipe in plan.pipelines:
+        held = stage_blocks(plan)
+        for i, pipe in enumerate(plan.pipelines):
             for j, st in enumerate(pipe.stages):
-                keys = tuple(block_keys(*st.layers, j == 0, j == len(pipe.stages) - 1))
+                keys = held[i, j]
                 for d in range(st.dp):
                     rep = st.replica(d)
                     for t, r in enumerate(rep):

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from eth.cost.equations import StageCost, eq6_allreduce_ms
 from eth.cost.model import CostModel
+from eth.layout.params import block_position, stage_blocks
 from eth.spec.plan import stage_holding
 from eth.profiles.db import ProfileDB
 
@@ -385,16 +386,25 @@ def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:
 
     model, cluster = cost_model.model, cost_model.cluster
     pipes = plan.pipelines
-    cuts = sorted({b for p in pipes for s in p.stages for b in s.layers})
     parts: dict[tuple, list[tuple[str, tuple[int, int]]]] = {}
-    layer_part, layer_repl = block_split(model, "layer 0")
-    for a, b in zip(cuts, cuts[1:]):
-        holders = tuple((i, stage_holding(p, a)) for i, p in enumerate(pipes))
-        parts.setdefault(holders, []).append((f"L{a}-{b - 1}", ((b - a) * layer_part, (b - a) * layer_repl)))
-    first = tuple((i, 0) for i in range(len(pipes)))
-    last = tuple((i, len(p.stages) - 1) for i, p in enumerate(pipes))
-    parts.setdefault(first, []).insert(0, ("emb", block_split(model, "embedding")))
-    parts.setdefault(last, []).append(("head", block_split(model, "head")))
+    if plan.cuts_layers:   # layers cut inside: block by block (eth.layout.params.stage_blocks)
+        holding: dict[str, list] = {}
+        for where, keys in stage_blocks(plan).items():
+            for key in keys:
+                holding.setdefault(key, []).append(where)
+        for key, holders in sorted(holding.items(), key=lambda kv: block_position(kv[0])):
+            name = {"embedding": "emb", "head": "head"}.get(key, key.replace("layer ", "L"))
+            parts.setdefault(tuple(holders), []).append((name, block_split(model, key)))
+    else:
+        cuts = sorted({b for p in pipes for s in p.stages for b in s.layers})
+        layer_part, layer_repl = block_split(model, "layer 0")
+        for a, b in zip(cuts, cuts[1:]):
+            holders = tuple((i, stage_holding(p, a)) for i, p in enumerate(pipes))
+            parts.setdefault(holders, []).append((f"L{a}-{b - 1}", ((b - a) * layer_part, (b - a) * layer_repl)))
+        first = tuple((i, 0) for i in range(len(pipes)))
+        last = tuple((i, len(p.stages) - 1) for i, p in enumerate(pipes))
+        parts.setdefault(first, []).insert(0, ("emb", block_split(model, "embedding")))
+        parts.setdefault(last, []).append(("head", block_split(model, "head")))
 
     blocks = []
     for holders, items in parts.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from eth.spec.model import KNOWN_LAYER_OPS, LAYER_OPS
+from eth.spec.model import KNOWN_LAYER_OPS, LAYER_OPS, layer_ops
 
 # Short names of the 13 layer ops; AS, AD, Qkv and Sco as in the paper's Table 3.
 OP_ABBREV = MappingProxyType({
@@ -166,13 +166,23 @@ def format_plan_table(plan) -> str:
             over = over or full
             mem_text = _num(mem, 2) + ("!" if full else "")
             rows.append([str(j), format_ranks(s.ranks), f"{s.device_type}x{len(s.ranks)}",
-                         f"{s.tp}/{s.dp}", str(s.num_layers), f"{s.layers[0]}-{s.layers[1] - 1}",
+                         f"{s.tp}/{s.dp}", str(s.num_layers), format_layers(s, plan.model),
                          format_recompute(s.recompute), _num(pred.get("fwd_ms"), 2),
                          _num(pred.get("bwd_ms"), 2), mem_text])
         lines += _table(header, rows)
     if over:
         lines.append("  (! = predicted memory exceeds the device's capacity)")
     return "\n".join(lines)
+
+
+def format_layers(stage, model) -> str:
+    """"3-5", or with a boundary inside a layer the op it starts at / ends after:
+    "1[attn-dropout..]-2[..mlp-gemm-1]"."""
+    names = layer_ops(model)
+    first, last = stage.ops or (names[0], names[-1])
+    start = f"{stage.layers[0]}" + (f"[{first}..]" if first != names[0] else "")
+    end = f"{stage.layers[1] - 1}" + (f"[..{last}]" if last != names[-1] else "")
+    return f"{start}-{end}"
 
 
 def format_search_line(plan) -> str:

@@ -276,6 +276,45 @@ def layer_dataflow(spec) -> tuple[OpFlow, ...]:
     return tuple(OpFlow(op, *flows[op]) for op in layer_ops(spec))
 
 
+@dataclass(frozen=True)
+class CutTensor:
+    """A named tensor that crosses a stage boundary after a layer op: per-sample elements
+    and how the runtime lays it out on a tp rank (``shard`` None: replicated; "heads":
+    dim 1 of [b, heads, s, s] cut by heads; "last": the last dim of [s, b, w] cut in tp
+    contiguous chunks, within each of ``pieces`` equal pieces (SwiGLU's [gate, up]))."""
+
+    name: str
+    numel: int
+    shard: str | None
+    pieces: int = 1
+
+
+def cut_tensors(spec, after: str) -> tuple[CutTensor, ...]:
+    """The tensors a stage boundary after layer op ``after`` carries: those made at or
+    before ``after`` in its layer (or the layer input "x") that an op after it reads, in
+    :func:`layer_dataflow` order ("x" first).  After the last op: the layer output alone,
+    which is the next layer's "x"."""
+    flow = layer_dataflow(spec)
+    names = [f.name for f in flow]
+    if after not in names:
+        raise SpecError(f"{after!r} is not a layer op of model {spec.name}: {', '.join(names)}")
+    k = names.index(after)
+    if k == len(flow) - 1:
+        made = ["x"]
+    else:
+        made = ["x"] + [f.output for f in flow[:k + 1]]
+        read = {t for f in flow[k + 1:] for t in f.inputs}
+        made = [t for t in dict.fromkeys(made) if t in read]
+    s, h, f = spec.seq_len, spec.hidden, spec.ffn
+    qkv = s * (h + 2 * spec.kv_heads * spec.head_dim)
+    table = {"x": (s * h, None), "a": (s * h, None), "qkv": (qkv, "last"), "qkv_r": (qkv, "last"),
+             "scores": (spec.heads * s * s, "heads"), "probs": (spec.heads * s * s, "heads"),
+             "probs_d": (spec.heads * s * s, "heads"), "ctx": (s * h, "last"), "attn": (s * h, None),
+             "x2": (s * h, None), "m": (s * h, None), "f1": (s * f * (2 if spec.swiglu else 1), "last"),
+             "g": (s * f, "last"), "f2": (s * h, None)}
+    return tuple(CutTensor(t, *table[t], 2 if t == "f1" and spec.swiglu else 1) for t in made)
+
+
 def pre_ops(spec) -> tuple[str, ...]:
     return PRE_OPS
 

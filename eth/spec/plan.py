@@ -1,7 +1,7 @@
 """The HPP plan: dataclasses, versioned JSON (de)serialisation and validation.
 
 A plan is self-contained: it embeds the model spec and the resolved cluster, so the
-runtime needs only the plan file.  JSON layout (version 1)::
+runtime needs only the plan file.  JSON layout (version 1; version 2 adds a stage's ``ops``)::
 
     {"version": 1, "model": {...ModelSpec...}, "cluster": {...Cluster.to_dict()...},
      "gbs": 1024, "seq_len": 2048,
@@ -22,7 +22,15 @@ Conventions (the runtime relies on them):
     dimension) and its tp rank t is the t-th smallest of them (``StagePlan.replica``;
     torch orders a process group by global rank);
   * pipeline i trains on samples [sum(lbs[:i]), sum(lbs[:i+1])) of each global batch;
-  * ``recompute[op] = n`` recomputes ``op`` in the first n layers of the stage.
+  * ``recompute[op] = n`` recomputes ``op`` in the first n of the stage's layers that
+    run ``op``.
+
+Boundaries inside a layer (version 2): a stage's ``"ops": [first, last]`` says that it
+starts in layer ``layers[0]`` at op ``first`` and ends in layer ``layers[1] - 1`` after op
+``last`` (both inclusive; ``layers`` are the layers it touches).  The next stage then
+starts in that same layer at the op after ``last``.  A stage without ``ops`` holds whole
+layers; a plan none of whose stages has ``ops`` is written as version 1, as before.  The
+tensors that cross such a boundary are ``eth.spec.model.cut_tensors``.
 """
 from __future__ import annotations
 
@@ -33,10 +41,12 @@ from dataclasses import dataclass, field
 from eth.spec.cluster import Cluster
 from eth.errors import PlanError, SpecError
 from eth.fileio import atomic_write_text, read_json
-from eth.spec.model import ModelSpec, layer_ops
+from eth.spec.model import ModelSpec, cut_tensors, layer_ops
 from eth.spec.precision import TrainSetup
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""The newest plan version this release reads and writes (plans without ``ops``: 1)."""
+WHOLE_LAYER_VERSION = 1
 LEGACY_TRAINING = TrainSetup("fp32", 0, "fp32")
 """The setup of a plan file without a ``training`` field (the runtime's only one before)."""
 
@@ -56,10 +66,34 @@ class StagePlan:
     """Op name -> number of the stage's layers (the first ones) in which it is recomputed."""
     predicted: dict = field(default_factory=dict)
     """Cost-model predictions (fwd_ms, bwd_ms, memory_gb, ...), informational."""
+    ops: tuple[str, str] | None = None
+    """(first op of the first layer, last op of the last layer) of a stage that starts or
+    ends inside a layer; None: whole layers (module docstring)."""
 
     @property
     def num_layers(self) -> int:
+        """Layers the stage touches, whole or in part."""
         return self.layers[1] - self.layers[0]
+
+    def span(self, spec: ModelSpec) -> tuple[int, int]:
+        """The stage's ops [a, b) in model order, op i of layer l at position l * k + i (k
+        layer ops)."""
+        names = layer_ops(spec)
+        first, last = self.ops or (names[0], names[-1])
+        return (self.layers[0] * len(names) + names.index(first),
+                (self.layers[1] - 1) * len(names) + names.index(last) + 1)
+
+    def held_ops(self, spec: ModelSpec, layer: int) -> tuple[str, ...]:
+        """The ops of ``layer`` this stage runs (all of them in its whole layers)."""
+        names, (a, b) = layer_ops(spec), self.span(spec)
+        lo, hi = max(a - layer * len(names), 0), min(b - layer * len(names), len(names))
+        return names[lo:hi] if lo < hi else ()
+
+    def recompute_layers(self, spec: ModelSpec, op: str) -> list[int]:
+        """The layers in which ``op`` is recomputed: the first ``recompute[op]`` of the
+        stage's layers that run it."""
+        held = [layer for layer in range(*self.layers) if op in self.held_ops(spec, layer)]
+        return held[:self.recompute.get(op, 0)]
 
     def replica(self, dp_rank: int) -> tuple[int, ...]:
         """Ranks of dp replica ``dp_rank`` (``ranks[dp_rank * tp:(dp_rank + 1) * tp]``) in
@@ -72,9 +106,12 @@ class StagePlan:
         return self.replica(dp_rank)[tp_rank]
 
     def to_dict(self) -> dict:
-        return {"ranks": list(self.ranks), "device_type": self.device_type, "tp": self.tp,
-                "dp": self.dp, "layers": list(self.layers), "recompute": dict(self.recompute),
-                "predicted": dict(self.predicted)}
+        out = {"ranks": list(self.ranks), "device_type": self.device_type, "tp": self.tp,
+               "dp": self.dp, "layers": list(self.layers), "recompute": dict(self.recompute),
+               "predicted": dict(self.predicted)}
+        if self.ops is not None:
+            out["ops"] = list(self.ops)
+        return out
 
 
 @dataclass
@@ -123,8 +160,14 @@ class Plan:
                             for p in self.pipelines]], sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
+    @property
+    def cuts_layers(self) -> bool:
+        """A stage starts or ends inside a layer (the plan needs version 2)."""
+        return any(s.ops is not None for p in self.pipelines for s in p.stages)
+
     def to_dict(self) -> dict:
-        return {"version": self.version, "model": self.model.to_dict(),
+        version = PLAN_VERSION if self.cuts_layers else WHOLE_LAYER_VERSION
+        return {"version": version, "model": self.model.to_dict(),
                 "cluster": self.cluster.to_dict(), "gbs": self.gbs,
                 "seq_len": self.model.seq_len,
                 "pipelines": [p.to_dict() for p in self.pipelines],
@@ -138,8 +181,9 @@ class Plan:
         _fields(data, ("version", "model", "cluster", "gbs", "pipelines"),
                 ("seq_len", "predicted", "search", "hash", "training"), "plan")
         version = data["version"]
-        if not _is_int(version) or version != PLAN_VERSION:
-            raise PlanError(f"plan.version is {version!r}, this release reads version {PLAN_VERSION}")
+        if not _is_int(version) or version not in (WHOLE_LAYER_VERSION, PLAN_VERSION):
+            raise PlanError(f"plan.version is {version!r}, this release reads versions "
+                            f"{WHOLE_LAYER_VERSION} and {PLAN_VERSION}")
         model = ModelSpec.from_dict(data["model"], where="plan.model")
         if "seq_len" in data and data["seq_len"] != model.seq_len:
             raise PlanError(f"plan.seq_len {data['seq_len']} != plan.model.seq_len {model.seq_len}")
@@ -155,7 +199,7 @@ class Plan:
             stages = []
             for j, st in enumerate(p["stages"]):
                 sw = f"{where}.stages[{j}]"
-                _fields(st, ("ranks", "device_type", "tp", "dp", "layers"), ("recompute", "predicted"), sw)
+                _fields(st, ("ranks", "device_type", "tp", "dp", "layers"), ("recompute", "predicted", "ops"), sw)
                 layers, ranks = st["layers"], st["ranks"]
                 if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
                     raise PlanError(f"{sw}.layers must be [start, end) integers, got {layers!r}")
@@ -164,9 +208,17 @@ class Plan:
                 if not isinstance(st["device_type"], str):
                     raise PlanError(f"{sw}.device_type must be a string, got {st['device_type']!r}")
                 recompute = _mapping(st.get("recompute", {}), f"{sw}.recompute")
+                ops = st.get("ops")
+                if ops is not None:
+                    if version < PLAN_VERSION:
+                        raise PlanError(f"{sw}.ops needs plan version {PLAN_VERSION}, the plan is "
+                                        f"version {version}")
+                    if not (isinstance(ops, list) and len(ops) == 2 and all(isinstance(o, str) for o in ops)):
+                        raise PlanError(f"{sw}.ops must be [first op, last op] names, got {ops!r}")
+                    ops = (ops[0], ops[1])
                 stages.append(StagePlan(list(ranks), st["device_type"], st["tp"], st["dp"],
                                         (layers[0], layers[1]), recompute,
-                                        _mapping(st.get("predicted", {}), f"{sw}.predicted")))
+                                        _mapping(st.get("predicted", {}), f"{sw}.predicted"), ops))
             pipelines.append(PipelinePlan(p["mbs"], p["lbs"], stages,
                                           _mapping(p.get("predicted", {}), f"{where}.predicted")))
         training = TrainSetup.from_dict(data["training"]) if "training" in data else LEGACY_TRAINING
@@ -179,6 +231,7 @@ class Plan:
         used: dict[int, str] = {}
         world = self.cluster.world_size
         ops = layer_ops(self.model)
+        k = len(ops)
         for i, p in enumerate(self.pipelines):
             where = f"plan.pipelines[{i}]"
             _positive_int(p.mbs, f"{where}.mbs")
@@ -202,17 +255,18 @@ class Plan:
                 start, end = s.layers
                 if not (_is_int(start) and _is_int(end)):
                     raise PlanError(f"{sw}.layers must be integers, got {list(s.layers)}")
-                if start != expect or end <= start:
-                    raise PlanError(f"{sw}.layers is [{start}, {end}) but must start at layer "
-                                    f"{expect} and hold at least one layer")
-                expect = end
+                expect = self._check_span(s, sw, expect, ops)
                 for op, n in s.recompute.items():
                     if op not in ops:
                         raise PlanError(f"{sw}.recompute names unknown op {op!r}; model "
                                         f"{self.model.name}'s layer ops: {', '.join(ops)}")
-                    if not _is_int(n) or not 0 <= n <= s.num_layers:
+                    held = sum(op in s.held_ops(self.model, layer) for layer in range(start, end))
+                    if not _is_int(n) or not 0 <= n <= held:
+                        cut = (f" (the stage runs {op} in {held} of its {s.num_layers} layers, "
+                               f"ops {s.ops[0]} .. {s.ops[1]}: a recompute run cannot cross a stage "
+                               f"boundary)" if s.ops is not None and held < s.num_layers else "")
                         raise PlanError(f"{sw}.recompute[{op!r}] is {n!r}, must be in "
-                                        f"[0, {s.num_layers}] (the stage's layers)")
+                                        f"[0, {held}] (the stage's layers){cut}")
                 for r in s.ranks:
                     if not _is_int(r) or not 0 <= r < world:
                         raise PlanError(f"{sw}.ranks has {r!r}, cluster ranks are 0..{world - 1}")
@@ -223,8 +277,10 @@ class Plan:
                     if actual != s.device_type:
                         raise PlanError(f"{sw}.device_type is {s.device_type!r} but cluster rank {r} "
                                         f"is a {actual!r}")
-            if expect != self.model.num_layers:
-                raise PlanError(f"{where} covers layers [0, {expect}) but the model has "
+            if expect != self.model.num_layers * k:
+                covered = (f"layers [0, {expect // k})" if expect % k == 0 else
+                           f"up to op {ops[expect % k - 1]} of layer {expect // k}")
+                raise PlanError(f"{where} covers {covered} but the model has "
                                 f"{self.model.num_layers} layers")
         if len(used) != world:
             missing = sorted(set(range(world)) - set(used))
@@ -234,6 +290,33 @@ class Plan:
         if total < self.gbs:
             raise PlanError(f"sum of pipeline lbs {total} is below gbs {self.gbs}")
         return self
+
+    def _check_span(self, s: StagePlan, sw: str, expect: int, ops: tuple[str, ...]) -> int:
+        """Check that stage ``s`` starts at op position ``expect`` and holds at least one op;
+        returns where the next stage must start."""
+        k, (start, end) = len(ops), s.layers
+        if s.ops is not None:
+            for what, op in zip(("first", "last"), s.ops):
+                if op not in ops:
+                    raise PlanError(f"{sw}.ops {what} op {op!r} is not a layer op of model "
+                                    f"{self.model.name}: {', '.join(ops)}")
+        a, b = (start * k, end * k) if s.ops is None else s.span(self.model)
+        if a != expect:
+            at = f"layer {expect // k}" + (f" at op {ops[expect % k]}" if expect % k else "")
+            got = f"layer {start}" + (f" at op {s.ops[0]}" if s.ops is not None else "")
+            raise PlanError(f"{sw} starts at {got} but must start at {at} (where the previous "
+                            f"stage ends)")
+        if b <= a:
+            what = f"layers [{start}, {end})" + (f" ops {s.ops[0]} .. {s.ops[1]}" if s.ops else "")
+            raise PlanError(f"{sw} holds no op: {what}")
+        if s.ops is not None and s.tp > self.model.kv_heads:
+            cut = {t.name for pos in (a, b) if pos % k
+                   for t in cut_tensors(self.model, ops[pos % k - 1]) if t.name in ("qkv", "qkv_r")}
+            if cut:
+                raise PlanError(f"{sw}: tp {s.tp} > kv_heads {self.model.kv_heads} replicates key/value "
+                                f"heads inside the qkv output, which a boundary there cannot carry; "
+                                f"cut after another op")
+        return b
 
     def save(self, path) -> None:
         """Validate, then write atomically (temp file + rename)."""

@@ -13,7 +13,7 @@ from eth.layout.blocks import GradLayout
 from eth.spec.cluster import Cluster
 from eth.errors import PlanError
 from eth.spec.model import ModelSpec
-from eth.layout.params import all_specs
+from eth.layout.params import all_specs, block_specs, param_ops
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.cost.sync import block_groups
 
@@ -29,8 +29,8 @@ def plan_of(n, pipelines, gbs=8) -> Plan:
     return Plan(M, cluster, gbs, pipelines)
 
 
-def st(ranks, tp, dp, layers):
-    return StagePlan(list(ranks), "A100", tp, dp, tuple(layers))
+def st(ranks, tp, dp, layers, ops=None):
+    return StagePlan(list(ranks), "A100", tp, dp, tuple(layers), ops=ops)
 
 
 def fig5():
@@ -45,6 +45,29 @@ def mixed():
     return plan_of(10, [PipelinePlan(2, 4, [st([3, 1, 0, 2], 4, 1, (0, 4))]),
                         PipelinePlan(2, 2, [st([5, 4], 2, 1, (0, 1)), st([6], 1, 1, (1, 4))]),
                         PipelinePlan(2, 2, [st([7], 1, 1, (0, 3)), st([9, 8], 1, 2, (3, 4))])])
+
+
+def cut():
+    """Stages that start and end inside layers: layer 1 cut after qkv (tp 2 | tp 1) in
+    pipeline 0 and layer 2 after gelu (tp 1 | tp 2) in pipeline 1, pipeline 2 whole."""
+    return plan_of(8, [PipelinePlan(2, 4, [st([0, 1], 2, 1, (0, 2), ("1st-layernorm", "qkv")),
+                                           st([2], 1, 1, (1, 4), ("score", "post-mlp-dropout"))]),
+                       PipelinePlan(2, 2, [st([3], 1, 1, (0, 3), ("1st-layernorm", "gelu")),
+                                           st([5, 4], 2, 1, (2, 4), ("mlp-gemm-2", "post-mlp-dropout"))]),
+                       PipelinePlan(2, 2, [st([6, 7], 1, 2, (0, 4))])])
+
+
+def test_cut_layers_split_into_parts():
+    from eth.layout.params import stage_blocks
+    held = stage_blocks(cut())
+    assert held[0, 0] == ("embedding", "layer 0", "layer 1:0-2")
+    assert held[0, 1] == ("layer 1:2-13", "layer 2:0-11", "layer 2:11-13", "layer 3", "head")
+    assert held[1, 0] == ("embedding", "layer 0", "layer 1:0-2", "layer 1:2-13", "layer 2:0-11")
+    assert held[1, 1] == ("layer 2:11-13", "layer 3", "head")
+    assert held[2, 0] == ("embedding", "layer 0", "layer 1:0-2", "layer 1:2-13", "layer 2:0-11",
+                          "layer 2:11-13", "layer 3", "head")
+    names = [p.name for p in block_specs(M, "layer 2:11-13")]
+    assert names == ["layer 2.fc2.weight", "layer 2.fc2.bias"]
 
 
 def test_fig5_block_wise_by_hand():
@@ -84,7 +107,7 @@ def test_fig5_device_and_tensor_wise():
 
 
 @pytest.mark.parametrize("strategy", ["block", "device", "tensor"])
-@pytest.mark.parametrize("make", [fig5, mixed])
+@pytest.mark.parametrize("make", [fig5, mixed, cut])
 def test_every_replica_adds_every_element_once(strategy, make):
     """Brute force: mark, per replica, the elements its ranks add into buffers."""
     plan = make()
@@ -119,7 +142,8 @@ def test_every_replica_adds_every_element_once(strategy, make):
             for spec in all_specs(M):
                 b = spec.block
                 held = (b == "embedding" and first) or (b == "head" and last) or (
-                    b.startswith("layer") and stage.layers[0] <= int(b.split()[1]) < stage.layers[1])
+                    b.startswith("layer") and param_ops(M)[spec.name.split(".")[1]]
+                    in stage.held_ops(M, int(b.split()[1])))
                 if held:
                     for d in range(stage.dp):
                         holders[((pipe_i, j, d), spec.name)] = spec
@@ -175,7 +199,7 @@ def test_zero_shards_partition_each_buffer():
 
 
 def test_cost_model_block_structure_matches_the_layout():
-    for make in (fig5, mixed):
+    for make in (fig5, mixed, cut):
         plan = make()
         layout, counted = GradLayout(plan, "block"), {}
         for b in layout.buffers:

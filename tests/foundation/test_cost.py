@@ -241,3 +241,64 @@ def test_tp_collectives_not_added_when_op_times_include_them(tiny, cpu_cluster):
     data["tp_comm_included"] = "yes"
     with pytest.raises(ProfileError, match=r"profile.tp_comm_included must be true or false, got 'yes'"):
         DeviceProfile(data)
+
+
+def _cut_model():
+    from eth.profiles.db import ProfileDB
+    from eth.spec.cluster import Cluster
+    from eth.spec.model import ModelSpec
+
+    m = ModelSpec("m4", num_layers=4, hidden=1024, heads=8, seq_len=512, vocab=8192)
+    cluster = Cluster.from_dict({"name": "t", "inter_node_gbps": 100,
+                                 "nodes": [{"type": "A100", "devices_per_node": 4},
+                                           {"type": "RTX3090", "devices_per_node": 4}]})
+    db = ProfileDB()
+    db.ensure(m, cluster.types.values())
+    return m, cluster, db
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cut_stage_cost_of_whole_layers_is_the_stage_cost(precision):
+    """A stage written with ops spanning whole layers costs what the layer-count path says."""
+    from eth.spec.model import layer_ops
+
+    m, cluster, db = _cut_model()
+    cm = CostModel(m, cluster, db, TrainSetup(precision, zero_stage=1))
+    names = layer_ops(m)
+    for recompute in ({}, {"softmax": 2, "gelu": 1, "context": 2}):
+        for tp in (1, 2):
+            args = dict(device_type="A100", tp=tp, dp=1, layers=(1, 3), mbs=2, recompute=recompute,
+                        stage_index=1, num_stages=3, num_microbatches=4, ranks=list(range(tp)),
+                        next_ranks=[4], prev_ranks=[5])
+            whole, cut = cm.stage_cost(**args), cm.stage_cost(**args, ops=(names[0], names[-1]))
+            for f in ("fwd_ms", "bwd_ms", "recompute_ms", "comm_ms", "params", "act_bytes", "memory_bytes",
+                      "send_fwd_ms", "send_bwd_ms"):
+                assert getattr(cut, f) == pytest.approx(getattr(whole, f), rel=1e-12), (f, recompute, tp)
+
+
+def test_cut_stage_cost_splits_a_layer_and_sends_what_crosses():
+    """Layer 1 cut after softmax: the two sides' weights and compute add up to the whole
+    layer's, the p2p message is x + qkv + the probabilities, and the receiver keeps the
+    received buffer and its own copy of the qkv output (both sides keep one)."""
+    from eth.profiles.db import collective_ms
+    from eth.spec.model import ACT_BYTES, cut_tensors, layer_ops
+
+    m, cluster, db = _cut_model()
+    cm = CostModel(m, cluster, db, TrainSetup("bf16"))
+    names = layer_ops(m)
+    args = dict(device_type="A100", tp=1, dp=1, mbs=2, num_stages=2, num_microbatches=4)
+    whole = cm.stage_cost(layers=(0, 4), stage_index=0, num_stages=1, **{k: v for k, v in args.items()
+                                                                         if k != "num_stages"})
+    a = cm.stage_cost(layers=(0, 2), stage_index=0, ops=(names[0], "softmax"), **args)
+    b = cm.stage_cost(layers=(1, 4), stage_index=1, ops=("attn-dropout", names[-1]), **args)
+    cut = cut_tensors(m, "softmax")
+    assert [t.name for t in cut] == ["x", "qkv", "probs"]
+    message = 2 * sum(t.numel for t in cut) * ACT_BYTES
+    link = cm.cluster.intra_node_gbps or cm.cluster.types["A100"].link_gbps
+    p2p = collective_ms("p2p", 2, message, link, cm._measured(db.get("A100"), "A100", link))
+    assert a.send_fwd_ms == pytest.approx(p2p) and b.send_bwd_ms == pytest.approx(p2p)
+    assert a.params + b.params == pytest.approx(whole.params)
+    assert a.fwd_ms - a.send_fwd_ms + b.fwd_ms == pytest.approx(whole.fwd_ms)
+    assert a.bwd_ms + b.bwd_ms - b.send_bwd_ms == pytest.approx(whole.bwd_ms)
+    qkv = 2 * m.seq_len * m.qkv_width * ACT_BYTES
+    assert a.act_bytes + b.act_bytes == pytest.approx(whole.act_bytes + message + qkv)

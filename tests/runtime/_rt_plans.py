@@ -13,8 +13,8 @@ def cluster(n: int) -> Cluster:
                               "nodes": [{"type": "A100", "devices_per_node": n}]})
 
 
-def stage(ranks, tp, dp, layers, recompute=None) -> StagePlan:
-    return StagePlan(list(ranks), "A100", tp, dp, tuple(layers), dict(recompute or {}))
+def stage(ranks, tp, dp, layers, recompute=None, ops=None) -> StagePlan:
+    return StagePlan(list(ranks), "A100", tp, dp, tuple(layers), dict(recompute or {}), ops=ops)
 
 
 def make(n: int, pipelines: list[PipelinePlan], gbs: int = GBS) -> Plan:
@@ -47,6 +47,21 @@ def same_layers_different_tp() -> Plan:
     everything = {op: 4 for op in ("1st-layernorm", "score", "context", "mlp-gemm-1", "mlp-gemm-2")}
     return make(3, [PipelinePlan(4, 8, [stage([0, 1], 2, 1, (0, 4), everything)]),
                     PipelinePlan(2, 8, [stage([2], 1, 1, (0, 4))])])
+
+
+def boundaries_inside_layers() -> Plan:
+    """(f) pipeline 0 cut inside attention (layer 1 after softmax: x, qkv and the
+    probabilities cross, the last two sharded by tp) and inside the MLP (layer 2 after
+    mlp-gemm-1: x2 and f1 cross), tp 1 -> tp 2 -> (tp 1, dp 2), recompute on every stage
+    (runs ending at and starting after a boundary); pipeline 1 holds whole layers, so
+    the cut layers' parameter blocks are reduced part by part."""
+    return make(6, [PipelinePlan(4, 8, [stage([0], 1, 1, (0, 2), {"qkv": 2, "score": 1, "softmax": 1},
+                                              ("1st-layernorm", "softmax")),
+                                        stage([1, 2], 2, 1, (1, 3), {"attn-dropout": 1, "context": 2,
+                                                                     "mlp-gemm-1": 1}, ("attn-dropout", "mlp-gemm-1")),
+                                        stage([3, 4], 1, 2, (2, 4), {"gelu": 2, "mlp-gemm-2": 1},
+                                              ("gelu", "post-mlp-dropout"))]),
+                    PipelinePlan(2, 8, [stage([5], 1, 1, (0, 4))])])
 
 
 def tp_dp_stage_to_uneven_dp3() -> Plan:

@@ -37,7 +37,8 @@ def reference():
 @pytest.mark.parametrize("make_plan", [plans.two_pipelines_different_depth,
                                        plans.tp_stage_next_to_dp_stage,
                                        plans.uneven_lbs_different_mbs,
-                                       plans.same_layers_different_tp],
+                                       plans.same_layers_different_tp,
+                                       plans.boundaries_inside_layers],
                          ids=lambda f: f.__name__)
 def test_plan_matches_single_process(make_plan, reference, tmp_path):
     plan = make_plan()

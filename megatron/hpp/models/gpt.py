@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eth.spec.model import ModelSpec, get_model, layer_dataflow
-from eth.layout.params import ShardSpec, embedding_specs, head_specs, layer_specs
-from megatron.hpp.models import llama
+from eth.spec.model import ModelSpec, get_model, layer_dataflow, layer_ops
+from eth.spec.plan import StagePlan
+from eth.layout.params import ShardSpec, embedding_specs, head_specs, layer_specs, param_ops
+from megatron.hpp.models import boundary, llama
 from megatron.hpp.compat import MODEL_PARALLEL_RNG, tp_group_globals
 
 INIT_STD = 0.02
@@ -96,20 +97,25 @@ def op_table(spec: ModelSpec) -> tuple:
 
 
 class Layer(torch.nn.Module):
-    """One transformer layer as op callables over named tensors (:func:`op_table`)."""
+    """One transformer layer as op callables over named tensors (:func:`op_table`); with
+    ``ops``, only those of its ops (a stage that starts or ends inside the layer): it
+    then builds only their parameters, reads what its first op needs from the tensors
+    handed in and hands on ``keep`` (the tensors crossing the boundary after it)."""
 
     OPS = op_table(get_model("tiny"))
     """The GPT op table (the instance's ``OPS`` is its spec's)."""
 
-    def __init__(self, spec: ModelSpec, index: int, tp_group, tracker, recompute: frozenset):
+    def __init__(self, spec: ModelSpec, index: int, tp_group, tracker, recompute: frozenset,
+                 ops: tuple[str, ...] | None = None, keep: tuple[str, ...] = ("out",)):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
         h, f, cfg, tp = spec.hidden, spec.ffn, _config(), tp_group.size()
         spec.check_tp(tp)
         self.index, self.tracker, self.recompute, self.dropout = index, tracker, recompute, spec.dropout
-        self.OPS = op_table(spec)
-        self.segments = self.plan_segments(recompute, self.OPS)
+        self.OPS = tuple(op for op in op_table(spec) if ops is None or op[0] in ops)
+        self.keep = keep
+        self.segments = self.plan_segments(recompute, self.OPS, keep)
         self._op_by_name = {op[0]: op for op in self.OPS}
         self.local_heads, self.head_dim = spec.heads // tp, spec.head_dim
         self.rope_theta = spec.rope_theta
@@ -119,20 +125,27 @@ class Layer(torch.nn.Module):
         else:
             self.local_groups, self.group = spec.kv_heads // tp, spec.heads // spec.kv_heads
         qkv_width = h + 2 * spec.kv_heads * spec.head_dim
-        bias = spec.bias
-        self.ln1 = llama.norm(spec, spec.norm_eps)
-        self.qkv = ColumnParallelLinear(h, qkv_width, config=cfg, init_method=_no_init, bias=bias,
-                                        gather_output=False, tp_group=tp_group)
-        self.dense = RowParallelLinear(h, h, config=cfg, init_method=_no_init, bias=bias,
-                                       input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
-        self.ln2 = llama.norm(spec, spec.norm_eps)
-        self.fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
-                                        gather_output=False, tp_group=tp_group)
-        if spec.swiglu:   # the up projection: mlp-gemm-1 outputs [gate, up]
-            self.fc1_up = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
-                                               gather_output=False, tp_group=tp_group)
-        self.fc2 = RowParallelLinear(f, h, config=cfg, init_method=_no_init, bias=bias,
-                                     input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+        bias, held = spec.bias, {op[0] for op in self.OPS}
+        owner = param_ops(spec)
+        if owner["ln1"] in held:
+            self.ln1 = llama.norm(spec, spec.norm_eps)
+        if "qkv" in held:
+            self.qkv = ColumnParallelLinear(h, qkv_width, config=cfg, init_method=_no_init, bias=bias,
+                                            gather_output=False, tp_group=tp_group)
+        if "attn-dense" in held:
+            self.dense = RowParallelLinear(h, h, config=cfg, init_method=_no_init, bias=bias,
+                                           input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+        if owner["ln2"] in held:
+            self.ln2 = llama.norm(spec, spec.norm_eps)
+        if "mlp-gemm-1" in held:
+            self.fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
+                                            gather_output=False, tp_group=tp_group)
+            if spec.swiglu:   # the up projection: mlp-gemm-1 outputs [gate, up]
+                self.fc1_up = ColumnParallelLinear(h, f, config=cfg, init_method=_no_init, bias=bias,
+                                                   gather_output=False, tp_group=tp_group)
+        if "mlp-gemm-2" in held:
+            self.fc2 = RowParallelLinear(f, h, config=cfg, init_method=_no_init, bias=bias,
+                                         input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
 
     def op_ln1(self, x):
         return self.ln1(x)
@@ -200,15 +213,17 @@ class Layer(torch.nn.Module):
         return lambda: (_rng_replay(self.tracker, saved, False), _rng_replay(self.tracker, saved, True))
 
     @classmethod
-    def plan_segments(cls, recompute, table=None) -> list[tuple[tuple, tuple, tuple]]:
+    def plan_segments(cls, recompute, table=None, keep=("out",)) -> list[tuple[tuple, tuple, tuple]]:
         """The layer's forward as segments (ops, input names, output names).
 
         A maximal run of consecutive recomputed ops (``eth.spec.model.recompute_runs``, the
         cost model's unit) is one segment, run under ONE checkpoint: it keeps only the
         run's inputs (tensors produced before it) and frees everything its ops save.
         Every other op is a segment of its own, run plainly.  Outputs are the names the
-        segment produces that a later op (or the layer output "out") reads.  ``table``:
-        the layer's :func:`op_table` (the GPT one by default)."""
+        segment produces that a later op reads or that the layer hands on (``keep``: the
+        layer output "out", or what crosses the boundary after a part of the layer).
+        ``table``: the layer's :func:`op_table` (the GPT one by default; a part of it for
+        a part of the layer)."""
         from eth.spec.model import recompute_runs
 
         table = cls.OPS if table is None else table
@@ -225,7 +240,7 @@ class Layer(torch.nn.Module):
                         inputs.append(n)
                 if by_name[op][3] not in produced:   # attn-dropout as the identity: "probs" again
                     produced.append(by_name[op][3])
-            later = {n for op in table[i + len(ops):] for n in op[2]} | {"out"}
+            later = {n for op in table[i + len(ops):] for n in op[2]} | set(keep)
             outputs = tuple(n for n in produced if n in later)
             segments.append((ops, tuple(inputs), outputs))
             i += len(ops)
@@ -239,7 +254,12 @@ class Layer(torch.nn.Module):
         return tuple(env[n] for n in outputs)
 
     def forward(self, x):
-        env = {"x": x}
+        return self.run({"x": x})["out"]
+
+    def run(self, env: dict) -> dict:
+        """The layer's ops on the named tensors ``env`` (the layer input "x", or what the
+        boundary before a part of the layer carried) -> {name: tensor} of ``keep``."""
+        env = dict(env)
         for ops, inputs, outputs in self.segments:
             args = [env[n] for n in inputs]
             if len(ops) == 1 and ops[0] not in self.recompute:
@@ -252,14 +272,19 @@ class Layer(torch.nn.Module):
             else:
                 results = fn(*args)
             env.update(zip(outputs, results))
-        return env["out"]
+        return {n: env[n] for n in self.keep}
 
 
 class GPTStage(torch.nn.Module):
-    """Layers [start, end) of a GPT, with embedding (first) / head + loss (last)."""
+    """Layers [start, end) of a GPT, with embedding (first) / head + loss (last); with
+    ``ops`` (``eth.spec.plan.StagePlan.ops``) from op ``ops[0]`` of the first layer through
+    op ``ops[1]`` of the last.  A stage that starts inside a layer takes, and one that
+    ends inside a layer returns, the [1, b, total] buffer of :mod:`megatron.hpp.models.boundary`
+    instead of the hidden state."""
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
-                 tp_group, tracker, recompute: dict | None = None, seed: int = 1234):
+                 tp_group, tracker, recompute: dict | None = None, seed: int = 1234,
+                 ops: tuple[str, str] | None = None):
         from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 
         super().__init__()
@@ -274,11 +299,19 @@ class GPTStage(torch.nn.Module):
             if spec.position == "learned":
                 self.pos = torch.nn.Parameter(torch.empty(spec.seq_len, spec.hidden))
             self.shard_specs.update(embedding_specs(spec))
+        plan = StagePlan([], "", 1, 1, (start, end), recompute, ops=ops)
+        a, b = plan.span(spec)
+        self.cut_in, self.cut_out = boundary.cut_after(spec, a), boundary.cut_after(spec, b)
+        recomputed = {layer: frozenset(op for op in recompute if layer in plan.recompute_layers(spec, op))
+                      for layer in range(start, end)}
+        whole = layer_ops(spec)
         self.layers = torch.nn.ModuleList()
         for i, layer in enumerate(range(start, end)):
-            ops = frozenset(op for op, n in recompute.items() if i < n)
-            self.layers.append(Layer(spec, layer, tp_group, tracker, ops))
-            self.shard_specs.update({f"layers.{i}.{k}": v for k, v in layer_specs(spec, layer).items()})
+            held = plan.held_ops(spec, layer)
+            keep = tuple(t.name for t in self.cut_out) if held[-1] != whole[-1] else ("out",)
+            self.layers.append(Layer(spec, layer, tp_group, tracker, recomputed[layer],
+                                     None if held == whole else held, keep))
+            self.shard_specs.update({f"layers.{i}.{k}": v for k, v in layer_specs(spec, layer, held).items()})
         if last:
             self.ln = llama.norm(spec, spec.norm_eps)
             self.out = ColumnParallelLinear(spec.hidden, spec.vocab, config=cfg, init_method=_no_init,
@@ -312,9 +345,20 @@ class GPTStage(torch.nn.Module):
         return losses.mean(dim=0).sum() * loss_scale
 
     def forward(self, inputs, labels=None, loss_scale: float = 1.0):
-        """First stage: tokens [b, s]; other stages: hidden [s, b, h].  Returns hidden
-        [s, b, h], or on the last stage the scaled loss (needs ``labels`` [b, s])."""
-        x = self.embed(inputs) if self.first else inputs
+        """First stage: tokens [b, s]; other stages: hidden [s, b, h] (the boundary buffer
+        when the stage starts inside a layer).  Returns hidden [s, b, h] (the boundary
+        buffer when it ends inside a layer), or on the last stage the scaled loss (needs
+        ``labels`` [b, s])."""
+        if self.first:
+            env = {"x": self.embed(inputs)}
+        elif self.cut_in is None:
+            env = {"x": inputs}
+        else:
+            env = boundary.unpack(inputs, self.cut_in, self.spec, self.tp_group)
         for layer in self.layers:
-            x = layer(x)
-        return self.head_loss(x, labels, loss_scale) if self.last else x
+            env = layer.run(env)
+            if "out" in env:
+                env = {"x": env["out"]}
+        if self.last:
+            return self.head_loss(env["x"], labels, loss_scale)
+        return env["x"] if self.cut_out is None else boundary.pack(env, self.cut_out, self.tp_group)

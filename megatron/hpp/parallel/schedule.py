@@ -105,13 +105,18 @@ class StageComm:
 
     topo: object
     shape: tuple
-    """(seq_len, hidden) of the activations."""
+    """(rows, per-sample width) of what this rank receives forward: (seq_len, hidden), or
+    (1, elements) of the boundary buffer when the stage starts inside a layer
+    (``megatron.hpp.models.boundary.buffer_shape``)."""
     dtype: torch.dtype
     device: torch.device
     pending: list = field(default_factory=list)
     """(work, tensors) of sends not yet known to be complete (at most one exchange)."""
     max_pending: int = 0
     """Largest number of sends in flight at once (diagnostics and tests)."""
+    out_shape: tuple | None = None
+    """The same for the gradients it receives backward (what it sends forward); None:
+    ``shape``."""
 
     def _tag(self, mb: int, direction: int) -> int:
         return 2 * mb + direction
@@ -145,7 +150,8 @@ class StageComm:
 
     def _recv_ops(self, mb: int, direction: int):
         """(ops, buffer, [(part, offset)]): receives of this rank's slices (tp root only)."""
-        topo, (seq, hidden) = self.topo, self.shape
+        topo = self.topo
+        seq, hidden = self.shape if direction == FORWARD or self.out_shape is None else self.out_shape
         buf = torch.empty(seq, self._local(topo.stage.dp), hidden, dtype=self.dtype, device=self.device)
         ops, parts = [], []
         if topo.tp_rank == 0:

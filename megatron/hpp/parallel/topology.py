@@ -39,7 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from eth.errors import PlanError, SpecError
-from eth.layout.params import block_keys
+from eth.layout.params import stage_blocks
 from eth.spec.plan import Plan, StagePlan, load_plan
 
 
@@ -84,6 +84,7 @@ class Layout:
                             f"requires equality (lbs: {[p.lbs for p in plan.pipelines]})")
         slots: list = [None] * self.world_size
         tp_groups, holders = [], {}
+        held = stage_blocks(plan)
         for i, pipe in enumerate(plan.pipelines):
             for j, stage in enumerate(pipe.stages):
                 for d in range(stage.dp):
@@ -91,7 +92,7 @@ class Layout:
                     tp_groups.append(GroupSpec("tp", f"tp p{i} s{j} d{d}", ranks))
                     for t, r in enumerate(ranks):
                         slots[r] = RankSlot(r, i, j, t, d)
-                for key in block_keys(*stage.layers, j == 0, j == len(pipe.stages) - 1):
+                for key in held[i, j]:
                     holders.setdefault(key, []).extend(stage.ranks)
         missing = [r for r, s in enumerate(slots) if s is None]
         if missing:
@@ -279,8 +280,7 @@ def build_topology(layout: Layout, rank: int, device_name: str | None = None,
             handles[ranks] = pg
     slot = layout.slots[rank]
     tp_group = handles[stage.replica(slot.dp_rank)]
-    pipe = layout.plan.pipelines[slot.pipeline]
-    keys = block_keys(*stage.layers, slot.stage == 0, slot.stage == len(pipe.stages) - 1)
+    keys = stage_blocks(layout.plan)[slot.pipeline, slot.stage]
     hold = {k: handles[layout.holders[k]] for k in keys}
     from megatron.core.process_groups_config import ProcessGroupCollection
 

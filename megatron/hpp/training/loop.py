@@ -270,6 +270,7 @@ class Trainer:
         from eth.layout.blocks import GradLayout
         from megatron.hpp.training.metrics import peak_memory_bytes
         from megatron.hpp.distributed.grad_sync import GradReducer
+        from megatron.hpp.models.boundary import buffer_shape
         from megatron.hpp.models.gpt import GPTStage
         from megatron.hpp.distributed.optimizer import COMPUTE_DTYPES, ShardedAdamW, make_grad_scaler
         from megatron.hpp.parallel.schedule import StageComm
@@ -291,7 +292,7 @@ class Trainer:
         tracker = compat.setup_rng(backend, stage_seed, stage_seed, topo.tp_rank)
         dtype = COMPUTE_DTYPES[setup.precision]
         self.model = GPTStage(spec, stage.layers, topo.is_first, topo.is_last, topo.tp_group, tracker,
-                              stage.recompute, cfg.seed).to(device=backend.device, dtype=dtype)
+                              stage.recompute, cfg.seed, stage.ops).to(device=backend.device, dtype=dtype)
         self.model.train()
         self.reducer = GradReducer(self.model, topo, self.grad_layout, setup, backend.device)
         self.optimizer = ShardedAdamW(self.model, topo, self.reducer, setup, cfg.lr, cfg.weight_decay,
@@ -299,7 +300,9 @@ class Trainer:
         self.scaler = make_grad_scaler(setup.precision, cfg.initial_loss_scale)
         self.source = self.valid_source = None   # attach_data, once the start is known
         self.peak_memory = lambda: peak_memory_bytes(backend.device)
-        self.comm = StageComm(topo, (spec.seq_len, spec.hidden), dtype, backend.device)
+        span = stage.span(spec)
+        self.comm = StageComm(topo, buffer_shape(spec, span[0]), dtype, backend.device,
+                              out_shape=buffer_shape(spec, span[1]))
         self.speed = self.plan.cluster.types[stage.device_type].emulate_speed if backend.is_cpu else 0.0
         self.emulated = backend.is_cpu and any(t.emulate_speed > 0 for t in self.plan.cluster.types.values())
         dist.barrier()  # start the first step together, so its logged time means something
