@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-dp", action="store_true", help="disable dynamic programming (Eq. 10)")
     p.add_argument("--no-seeds", action="store_true",
                    help="do not also evaluate the metis-strong/hexiscale-strong/uniform planners' plans")
+    p.add_argument("--op-boundaries", action="store_true",
+                   help="after the search, let stages start and end inside layers: move each stage "
+                        "boundary op by op where that makes the plan faster (plan version 2)")
     p.add_argument("--allow-overshoot", action="store_true",
                    help="accept sum(lbs) > gbs when no exact split exists")
     p.add_argument("--max-blocks-per-type", type=int, default=8)
@@ -87,6 +90,7 @@ def _main(argv=None) -> int:
                             max_blocks_per_type=args.max_blocks_per_type, max_blocks=args.max_blocks,
                             type_orders=args.type_orders,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
+                            op_boundaries=args.op_boundaries,
                             progress=not args.no_progress, jobs=args.jobs,
                             setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
     plan = plan_job(model, cluster, args.profiles, options, args.profiles_fallback)

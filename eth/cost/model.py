@@ -130,8 +130,13 @@ class CostModel(StageFloors):
             inflight = max(1, min(inflight, num_microbatches))
         links = self.stage_links(device_type, tp, ranks, next_ranks, prev_ranks)
         if ops is not None:
-            shape = self.cut_stage_shape(device_type, tp, mbs // dp, layers, ops, recompute, links)
-            return self._stage_from_shape(shape, device_type, dp, inflight)
+            key = ("cut", device_type, tp, dp, mbs, tuple(layers), tuple(ops), tuple(recompute.items()),
+                   inflight) + links
+            hit = self._cache.get(key)
+            if hit is None:
+                shape = self.cut_stage_shape(device_type, tp, mbs // dp, layers, ops, recompute, links)
+                hit = self._cache[key] = self._stage_from_shape(shape, device_type, dp, inflight)
+            return hit
         return self.stage_cost_at(device_type, tp, dp, end - start, start == 0, end == self.model.num_layers,
                                   mbs, recompute, inflight, links)
 
@@ -190,7 +195,7 @@ class CostModel(StageFloors):
         boundary inside a layer carries ``eth.spec.model.cut_tensors``: the p2p messages
         are their bytes, the tp-sharded ones are all-gathered over the sender's tp group
         (forward) and the receiver's (backward), and the received buffer is kept per
-        micro-batch in flight.  Not memoised: plans are evaluated, not searched, here."""
+        micro-batch in flight.  :meth:`stage_cost` memoises the StageCost it gives."""
         from eth.spec.plan import StagePlan
 
         model, names = self.model, layer_ops(self.model)

@@ -110,6 +110,10 @@ class SearchOptions:
     no All-Reduce) is below the best so far, or it may rank among the few that are also
     scored with free Mbs: the same plans, fewer evaluations and allocations
     (:func:`eth.planner.pipeline.optimise_pipeline`, :class:`eth.planner.polish._Scan`)."""
+    op_boundaries: bool = False
+    """After the search, move stage boundaries inside layers, op by op, where that makes
+    the plan faster (:mod:`eth.planner.op_boundaries`; a plan with such a boundary is
+    version 2; plan.search["op_boundaries"])."""
     allow_overshoot: bool = False
     """Accept sum(Lbs) > Gbs (paper constraint Eq. 3) when no exact split exists; by
     default only exact splits are emitted because the runtime requires equality."""

@@ -383,6 +383,12 @@ class HPPSearch:
         if self.best is None:
             raise InfeasibleError(self._infeasible_message())
         plan = self.best.plan
+        boundaries = None
+        if opt.op_boundaries:
+            from eth.planner.op_boundaries import refine_boundaries
+
+            with self.phases("op_boundaries"):
+                plan, boundaries = refine_boundaries(plan, self.cost, opt.gbs, opt.allow_overshoot)
         self.cost.annotate(plan)
         plan.search = {
             "strategy": opt.strategy, "time_s": round(self.clock.elapsed(), 3),
@@ -406,6 +412,8 @@ class HPPSearch:
         }
         if opt.symmetric:
             plan.search["symmetric"] = symmetric
+        if boundaries is not None:
+            plan.search["op_boundaries"] = boundaries
         return plan.validate()
 
     def _mark_dp(self, p: int) -> None:
