@@ -1,19 +1,21 @@
 """Stage boundaries inside layers (plan version 2): after the search, op by op.
 
-The search places whole layers.  With ``SearchOptions.op_boundaries`` its best plan is
-then refined: in every pipeline, each boundary between two adjacent stages may move to
-any op position within one layer either side of where it is (op i of layer l at
-position l * k + i; each stage keeps at least one op), and the position that gives the
-pipeline the earliest end time (Eq. 5 at its Lbs, the All-Reduce times of the plan as
-searched, every stage within its memory) is taken; rounds over the boundaries repeat
-until none moves.  The batch is then allocated again over the pipelines' new end-time
+The search places whole layers.  With ``SearchOptions.op_boundaries`` its best plans are
+then refined, Aceso-style: in every pipeline the bottleneck stage (the largest
+forward + backward time) may shed up to one layer's ops, op by op, to either neighbour
+(op i of layer l at position l * k + i; each stage keeps at least one op), and the
+boundary position that gives the pipeline the earliest end time (Eq. 5 at its Lbs, the
+All-Reduce times of the plan as searched, every stage within its memory) is taken;
+rounds repeat until no move makes the pipeline faster.  The batch is then allocated again over the pipelines' new end-time
 lines (Eq. 2-4, :func:`eth.planner.allocate.allocate`), and the refined plan is kept
 only if the whole-plan evaluation (:meth:`eth.cost.model.CostModel.evaluate`) is faster
 than the plan as searched.  A boundary that would carry the qkv output of a stage whose
 tp exceeds the model's kv_heads is not tried (the plan format refuses it).
 
-A stage's recompute counts (``recompute[op] = n``: the first n of its layers that run
-op) are kept, capped at the layers that run op after the move.
+The two stages a move changes get their recompute fitted again (:func:`fit_recompute`):
+the faster of their recompute counts before the move (``recompute[op] = n``: the first
+n of the stage's layers that run op; capped at the layers that run op after it) and
+the least recompute that fits by the search's rule.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import replace
 
 from eth.errors import SpecError
 from eth.planner.allocate import allocate, pipeline_line
+from eth.planner.evaluate import Evaluator
 from eth.spec.model import cut_tensors, layer_ops
 from eth.spec.plan import PipelinePlan, StagePlan
 
@@ -39,6 +42,52 @@ def respan(stage: StagePlan, spec, a: int, b: int) -> StagePlan:
     return moved
 
 
+def fit_recompute(cost, order, pipe: PipelinePlan, j: int) -> StagePlan | None:
+    """Stage j of ``pipe`` with the faster of its own recompute (if it fits) and the least
+    recompute that fits by the search's rule (``Evaluator.recompute_order``: runs of ops
+    taken whole, each in the fewest of the stage's layers that run it); None if neither
+    fits."""
+    spec, stages = cost.model, pipe.stages
+    st = stages[j]
+    nmb = max(pipe.lbs // pipe.mbs, 1)
+
+    def stage_cost(recompute):
+        return cost.stage_cost(st.device_type, st.tp, st.dp, tuple(st.layers), pipe.mbs, recompute, j,
+                               len(stages), nmb, st.ranks, stages[j + 1].ranks if j + 1 < len(stages) else None,
+                               stages[j - 1].ranks if j > 0 else None, st.ops)
+
+    def runs_in(op):
+        return sum(op in st.held_ops(spec, layer) for layer in range(*st.layers))
+
+    options = []
+    own = stage_cost(st.recompute)
+    if own.fits:
+        options.append((own.total_ms, st.recompute))
+    chosen: dict[str, int] = {}
+    for run in order(st.device_type, pipe.mbs // st.dp, st.tp):
+        most = max(runs_in(op) for op in run)
+        if not most:
+            continue
+        chosen.update((op, runs_in(op)) for op in run)
+        if stage_cost(chosen).fits:
+            lo, hi = 0, most
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if stage_cost(chosen | {op: min(mid, runs_in(op)) for op in run}).fits:
+                    hi = mid
+                else:
+                    lo = mid
+            chosen.update((op, min(hi, runs_in(op))) for op in run)
+            break
+    if not stage_cost({}).fits and stage_cost(chosen).fits:
+        options.append((stage_cost(chosen).total_ms, dict(chosen)))
+    elif stage_cost({}).fits:
+        options.append((stage_cost({}).total_ms, {}))
+    if not options:
+        return None
+    return replace(st, recompute={op: n for op, n in min(options, key=lambda o: o[0])[1].items() if n > 0})
+
+
 def _carries_qkv(spec, position: int) -> bool:
     names = layer_ops(spec)
     k = position % len(names)
@@ -51,6 +100,7 @@ def refine_boundaries(plan, cost, gbs: int, allow_overshoot: bool = False):
     spec, world = plan.model, plan.world_size
     k = len(layer_ops(spec))
     before = cost.evaluate(plan)["iteration_ms"]
+    order = Evaluator(cost).recompute_order
     ar = cost.stage_allreduce_ms(plan.pipelines)
     moves, pipes = 0, []
     for i, pipe in enumerate(plan.pipelines):
@@ -64,25 +114,43 @@ def refine_boundaries(plan, cost, gbs: int, allow_overshoot: bool = False):
                 return math.inf
             return max(cost.stage_end_ms(trial, costs, ar[i], world))
 
+        def move(stages, j, pos):
+            """``stages`` with the boundary after stage j at ``pos``, the two stages'
+            recompute refitted (:func:`fit_recompute`), or None if one does not fit."""
+            a, b = stages[j].span(spec), stages[j + 1].span(spec)
+            out = stages[:j] + [respan(stages[j], spec, a[0], pos), respan(stages[j + 1], spec, pos, b[1])] + stages[j + 2:]
+            for m in (j, j + 1):
+                fitted = fit_recompute(cost, order, PipelinePlan(pipe.mbs, pipe.lbs, out), m)
+                if fitted is None:
+                    return None
+                out[m] = fitted
+            return out
+
         stages = list(pipe.stages)
         best = end_ms(stages)
-        for _ in range(4 * len(stages)):
-            moved = False
-            for j in range(len(stages) - 1):
-                a, cut = stages[j].span(spec)
-                b = stages[j + 1].span(spec)[1]
-                choice = None
-                for pos in range(max(cut - k, a + 1), min(cut + k, b - 1) + 1):
-                    if pos == cut or (_carries_qkv(spec, pos) and max(stages[j].tp, stages[j + 1].tp) > spec.kv_heads):
-                        continue
-                    trial = stages[:j] + [respan(stages[j], spec, a, pos), respan(stages[j + 1], spec, pos, b)] + stages[j + 2:]
-                    t = end_ms(trial)
-                    if t < best * (1 - 1e-9):
-                        best, choice = t, trial
-                if choice is not None:
-                    stages, moved, moves = choice, True, moves + 1
-            if not moved:
+        for _ in range(8 * len(stages)):
+            # the bottleneck stage sheds up to one layer's ops to either neighbour
+            totals = [c.total_ms for c in cost.pipeline_costs(PipelinePlan(pipe.mbs, pipe.lbs, stages))]
+            j = max(range(len(stages)), key=totals.__getitem__)
+            a, b = stages[j].span(spec)
+            tries = []
+            if j > 0:
+                tries += [(j - 1, pos) for pos in range(a + 1, min(a + k, b - 1) + 1)]
+            if j + 1 < len(stages):
+                tries += [(j, pos) for pos in range(max(b - k, a + 1), b)]
+            choice = None
+            for left, pos in tries:
+                if _carries_qkv(spec, pos) and max(stages[left].tp, stages[left + 1].tp) > spec.kv_heads:
+                    continue
+                trial = move(stages, left, pos)
+                if trial is None:
+                    continue
+                t = end_ms(trial)
+                if t < best * (1 - 1e-9):
+                    best, choice = t, trial
+            if choice is None:
                 break
+            stages, moves = choice, moves + 1
         pipes.append(PipelinePlan(pipe.mbs, pipe.lbs, stages))
     record = {"before_ms": round(before, 4), "after_ms": round(before, 4), "moves": moves, "kept": False}
     if not moves:
