@@ -214,18 +214,27 @@ class CostModel(StageFloors):
         ag_f, ag_b = tp_allgathers(model, micro, tp)
         oh = self.profiles.overheads(device_type, model, micro, tp)
         fwd = bwd = weights = act = recompute_ms = comm = remat = 0.0
-        for layer in range(*layers):
-            held = stage.held_ops(model, layer)
-            redo = {op for op in recompute if layer in stage.recompute_layers(model, op)}
-            fwd += sum(costs[op].fwd_ms for op in held) + oh[0]
-            bwd += sum(costs[op].bwd_ms for op in held) + oh[1]
-            weights += sum(costs[op].weight_bytes for op in held)
-            keep = full if held == names else LayerKeep(layer_dataflow(model), costs, held)
-            act += keep.kept(redo)
-            recompute_ms += sum(costs[op].fwd_ms for op in redo)
-            runs = recompute_runs(redo, held)
-            fwd += len(runs) * oh[6] + sum(map(len, runs)) * oh[8]
-            bwd += len(runs) * oh[7] + sum(map(len, runs)) * oh[9]
+        held_in = dict.fromkeys(range(*layers), names)   # whole but for the first and last
+        for layer in {layers[0], layers[1] - 1}:
+            held_in[layer] = stage.held_ops(model, layer)
+        redo_in: dict[int, set] = {layer: set() for layer in held_in}
+        for op, n in recompute.items():   # the first n of the stage's layers that run op
+            for layer in [layer for layer, held in held_in.items() if op in held][:n]:
+                redo_in[layer].add(op)
+        groups: dict[tuple, int] = {}   # layers alike: the same held ops and recomputed ones
+        for layer, held in held_in.items():
+            key = (held, frozenset(redo_in[layer]))
+            groups[key] = groups.get(key, 0) + 1
+        for (held, redo), n in groups.items():
+            fwd += n * (sum(costs[op].fwd_ms for op in held) + oh[0])
+            bwd += n * (sum(costs[op].bwd_ms for op in held) + oh[1])
+            weights += n * sum(costs[op].weight_bytes for op in held)
+            keep = full if held == names else self._part_keep(costs, held)
+            act += n * keep.kept(redo)
+            recompute_ms += n * sum(costs[op].fwd_ms for op in redo)
+            runs = recompute_runs(set(redo), held)
+            fwd += n * (len(runs) * oh[6] + sum(map(len, runs)) * oh[8])
+            bwd += n * (len(runs) * oh[7] + sum(map(len, runs)) * oh[9])
             remat = max([remat] + [keep.rematerialised(run, redo) for run in runs])
             if tp_comm:
                 comm_f = ar * (("attn-dense" in held) + ("mlp-gemm-2" in held))
@@ -234,8 +243,9 @@ class CostModel(StageFloors):
                 if ag_f and "qkv" in held:
                     comm_f += sum(collective_ms("all_gather", tp, x * scale, link_tp, measured) for x in ag_f)
                     comm_b += sum(collective_ms("reduce_scatter", tp, x * scale, link_tp, measured) for x in ag_b)
-                fwd, bwd, comm = fwd + comm_f, bwd + comm_b, comm + comm_f + comm_b + again
-                recompute_ms += again
+                fwd, bwd = fwd + n * comm_f, bwd + n * comm_b
+                comm += n * (comm_f + comm_b + again)
+                recompute_ms += n * again
         for op in (pre_ops(model) if first else ()) + (post_ops(model) if last else ()):
             fwd, bwd = fwd + costs[op].fwd_ms, bwd + costs[op].bwd_ms
             weights, act = weights + costs[op].weight_bytes, act + costs[op].act_bytes
@@ -457,6 +467,14 @@ class CostModel(StageFloors):
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = LayerKeep(layer_dataflow(self.model), ops)
+        return hit
+
+    def _part_keep(self, ops, held) -> LayerKeep:
+        """:meth:`layer_keep` of the ops ``held`` of a layer (a stage cut inside it)."""
+        key = ("keep", tuple(held)) + tuple(ops[op] for op in layer_ops(self.model))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = LayerKeep(layer_dataflow(self.model), ops, held)
         return hit
 
     def recompute_savings(self, ops, recompute: dict[str, int]) -> float:

@@ -56,8 +56,9 @@ def fit_recompute(cost, order, pipe: PipelinePlan, j: int) -> StagePlan | None:
                                len(stages), nmb, st.ranks, stages[j + 1].ranks if j + 1 < len(stages) else None,
                                stages[j - 1].ranks if j > 0 else None, st.ops)
 
-    def runs_in(op):
-        return sum(op in st.held_ops(spec, layer) for layer in range(*st.layers))
+    held = [st.held_ops(spec, layer) for layer in range(*st.layers)]
+    counts = {op: sum(op in h for h in held) for op in layer_ops(spec)}
+    runs_in = counts.__getitem__
 
     options = []
     own = stage_cost(st.recompute)
@@ -86,6 +87,117 @@ def fit_recompute(cost, order, pipe: PipelinePlan, j: int) -> StagePlan | None:
     if not options:
         return None
     return replace(st, recompute={op: n for op, n in min(options, key=lambda o: o[0])[1].items() if n > 0})
+
+
+def minmax_partition(cost, order, pipe: PipelinePlan, spec, steps: int = 10) -> list[StagePlan] | None:
+    """The stages of ``pipe`` (devices, tp, dp kept) over a partition of all the model's
+    ops that makes the slowest stage (forward + backward, recompute fitted to memory) as
+    fast as the bisection on that time finds in ``steps`` halvings: for a time T the
+    stages take, in order, as many ops as keep them within T and their memory (the
+    greedy of min-max contiguous partitioning); None if the current time is not met."""
+    names = layer_ops(spec)
+    n_ops, stages = spec.num_layers * len(names), list(pipe.stages)
+    count = len(stages)
+    memo: dict = {}
+
+    def stage(j, a, b):
+        key = (j, a, b)
+        if key not in memo:
+            trial = stages[:j] + [respan(stages[j], spec, a, b)] + stages[j + 1:]
+            fitted = fit_recompute(cost, order, PipelinePlan(pipe.mbs, pipe.lbs, trial), j)
+            if fitted is None:
+                memo[key] = (math.inf, None)
+            else:
+                trial[j] = fitted
+                c = cost.pipeline_costs(PipelinePlan(pipe.mbs, pipe.lbs, trial))[j]
+                memo[key] = (c.total_ms, fitted)
+        return memo[key]
+
+    def blocked(j, a, b):   # a boundary at a or b the stage's tp cannot carry
+        tp = stages[j].tp
+        return tp > spec.kv_heads and any(0 < p < n_ops and _carries_qkv(spec, p) for p in (a, b))
+
+    def partition(limit):
+        out, a = [], 0
+        for j in range(count):
+            if j == count - 1:
+                t, st = stage(j, a, n_ops)
+                return out + [st] if t <= limit and not blocked(j, a, n_ops) else None
+            lo, hi = a, n_ops - (count - 1 - j)     # the largest end b in (a, hi] within limit
+            if stage(j, a, a + 1)[0] > limit:
+                return None
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if stage(j, a, mid)[0] <= limit:
+                    lo = mid
+                else:
+                    hi = mid
+            b = hi if stage(j, a, hi)[0] <= limit else lo
+            while b > a + 1 and blocked(j, a, b):
+                b -= 1
+            if b <= a or stage(j, a, b)[0] > limit:
+                return None
+            out.append(stage(j, a, b)[1])
+            a = b
+        return None
+
+    costs = cost.pipeline_costs(pipe)
+    current = max(c.total_ms for c in costs) if all(c.fits for c in costs) else sum(c.total_ms for c in costs)
+    best = partition(current)
+    if best is None:
+        return None
+    lo, hi = max(c.total_ms for c in costs) / count, current
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        got = partition(mid)
+        if got is None:
+            lo = mid
+        else:
+            best, hi = got, mid
+    return best
+
+
+def balanced_floor(plan, cost) -> float:
+    """A floor of the iteration time any partition of ``plan``'s ops over its stages
+    reaches, for pipelines whose stages are alike (one device type, tp and dp): the
+    stages' forward + backward times summed and shared evenly, times Lbs / Mbs - 1
+    micro-batches (Eq. 5's steady state; fill and drain only add).  0 where a pipeline's
+    stages differ (a faster stage could take more)."""
+    floor = 0.0
+    for p in plan.pipelines:
+        if len({(st.device_type, st.tp, st.dp) for st in p.stages}) > 1:
+            return 0.0
+        totals = [c.total_ms for c in cost.pipeline_costs(p)]
+        floor = max(floor, (p.lbs // p.mbs - 1) * sum(totals) / len(totals))
+    return floor
+
+
+def deeper(plan) -> list:
+    """Variants of ``plan`` whose stages of dp d > 1 are d stages of dp 1 (one per
+    replica, the same tp), at the pipeline's micro-batch size and each halving of it
+    down to 1, the ops split evenly over the stages (:func:`refine_boundaries` then
+    partitions them): a split inside layers can balance a deeper pipeline that whole
+    layers could not."""
+    spec = plan.model
+    total = spec.num_layers * len(layer_ops(spec))
+    if not any(st.dp > 1 for p in plan.pipelines for st in p.stages):
+        return []
+    out = []
+    sizes = sorted({p.mbs >> h for p in plan.pipelines for h in range(p.mbs.bit_length()) if p.mbs >> h}, reverse=True)
+    for mbs in sizes:
+        pipes = []
+        for p in plan.pipelines:
+            split = [replace(st, ranks=list(st.replica(d)), dp=1, recompute={}, predicted={}, ops=None)
+                     for st in p.stages for d in range(st.dp)]
+            if len(split) > total:
+                break
+            bounds = [round(i * total / len(split)) for i in range(len(split) + 1)]
+            stages = [respan(st, spec, a, b) for st, a, b in zip(split, bounds, bounds[1:])]
+            size = min(mbs, p.mbs)
+            pipes.append(PipelinePlan(size, max(p.lbs // size, 1) * size, stages))
+        else:
+            out.append(replace(plan, pipelines=pipes, predicted={}))
+    return out
 
 
 def _carries_qkv(spec, position: int) -> bool:
@@ -126,31 +238,42 @@ def refine_boundaries(plan, cost, gbs: int, allow_overshoot: bool = False):
                 out[m] = fitted
             return out
 
-        stages = list(pipe.stages)
-        best = end_ms(stages)
-        for _ in range(8 * len(stages)):
-            # the bottleneck stage sheds up to one layer's ops to either neighbour
-            totals = [c.total_ms for c in cost.pipeline_costs(PipelinePlan(pipe.mbs, pipe.lbs, stages))]
-            j = max(range(len(stages)), key=totals.__getitem__)
-            a, b = stages[j].span(spec)
-            tries = []
-            if j > 0:
-                tries += [(j - 1, pos) for pos in range(a + 1, min(a + k, b - 1) + 1)]
-            if j + 1 < len(stages):
-                tries += [(j, pos) for pos in range(max(b - k, a + 1), b)]
-            choice = None
-            for left, pos in tries:
-                if _carries_qkv(spec, pos) and max(stages[left].tp, stages[left + 1].tp) > spec.kv_heads:
-                    continue
-                trial = move(stages, left, pos)
-                if trial is None:
-                    continue
-                t = end_ms(trial)
-                if t < best * (1 - 1e-9):
-                    best, choice = t, trial
-            if choice is None:
-                break
-            stages, moves = choice, moves + 1
+        def local(stages):
+            """Aceso-style moves from ``stages``: (stages, end ms, moves)."""
+            best, moves = end_ms(stages), 0
+            for _ in range(8 * len(stages)):
+                # the bottleneck stage sheds up to one layer's ops to either neighbour
+                totals = [c.total_ms for c in cost.pipeline_costs(PipelinePlan(pipe.mbs, pipe.lbs, stages))]
+                j = max(range(len(stages)), key=totals.__getitem__)
+                a, b = stages[j].span(spec)
+                tries = []
+                if j > 0:
+                    tries += [(j - 1, pos) for pos in range(a + 1, min(a + k, b - 1) + 1)]
+                if j + 1 < len(stages):
+                    tries += [(j, pos) for pos in range(max(b - k, a + 1), b)]
+                choice = None
+                for left, pos in tries:
+                    if _carries_qkv(spec, pos) and max(stages[left].tp, stages[left + 1].tp) > spec.kv_heads:
+                        continue
+                    trial = move(stages, left, pos)
+                    if trial is None:
+                        continue
+                    t = end_ms(trial)
+                    if t < best * (1 - 1e-9):
+                        best, choice = t, trial
+                if choice is None:
+                    break
+                stages, moves = choice, moves + 1
+            return stages, best, moves
+
+        original = list(pipe.stages)
+        results = [local(original)]
+        balanced = minmax_partition(cost, order, pipe, spec)
+        if balanced is not None:
+            results.append(local(balanced))
+        stages, _, n = min(results, key=lambda r: r[1])
+        if stages != original:
+            moves += max(n, 1)
         pipes.append(PipelinePlan(pipe.mbs, pipe.lbs, stages))
     record = {"before_ms": round(before, 4), "after_ms": round(before, 4), "moves": moves, "kept": False}
     if not moves:

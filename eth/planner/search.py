@@ -417,22 +417,33 @@ class HPPSearch:
         return plan.validate()
 
     def _refine_boundaries(self, plan, refine):
-        """``--op-boundaries``: the best plan and the polished groups' plans within
-        :data:`OP_BOUNDARY_MARGIN` of it, each refined (:mod:`eth.planner.op_boundaries`; a
-        group whose whole-layer split is slower may hold the better split inside layers);
-        the fastest, with its record (``candidates``: how many were refined)."""
+        """``--op-boundaries``: the best plan, the polished groups' plans within
+        :data:`OP_BOUNDARY_MARGIN` of it and their :func:`eth.planner.op_boundaries.deeper`
+        variants, each refined (:mod:`eth.planner.op_boundaries`; a group whose whole-layer
+        split is slower may hold the better split inside layers); the fastest, with its
+        record (``candidates``: how many were refined)."""
+        from eth.planner.op_boundaries import balanced_floor, deeper
+
         opt = self.opt
         plans = [plan] + [c.plan for c in sorted(self.top, key=lambda c: c.iteration_ms)
                           if c.plan is not plan and c.iteration_ms <= self.best.iteration_ms * OP_BOUNDARY_MARGIN]
-        best, record = None, None
+        seen = {p.content_hash() for p in plans}
+        for v in [v for p in plans for v in deeper(p)]:
+            if v.content_hash() not in seen:
+                seen.add(v.content_hash())
+                plans.append(v)
+        best, after, moves, tried = plan, self.best.iteration_ms, 0, 0
         for candidate in plans:
-            if self.out_of_time() and best is not None:
+            if self.out_of_time() and tried:
                 break
+            if tried and balanced_floor(candidate, self.cost) >= after:
+                continue
+            tried += 1
             got, rec = refine(candidate, self.cost, opt.gbs, opt.allow_overshoot)
-            if best is None or rec["after_ms"] < record["after_ms"]:
-                best, record = got, rec
-        record = dict(record, candidates=len(plans), before_ms=round(self.best.iteration_ms, 4))
-        return best, record
+            if rec["kept"] and rec["after_ms"] < after * (1 - 1e-9):
+                best, after, moves = got, rec["after_ms"], rec["moves"]
+        return best, {"before_ms": round(self.best.iteration_ms, 4), "after_ms": round(after, 4),
+                      "moves": moves, "kept": best is not plan, "candidates": tried}
 
     def _mark_dp(self, p: int) -> None:
         if not self.stats.dp_triggered_at:

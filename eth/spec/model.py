@@ -40,6 +40,7 @@ see :func:`tp_allreduces`.  This module is pure arithmetic (no torch).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 from types import MappingProxyType
 
@@ -230,11 +231,16 @@ _LLAMA = {"norm": "rmsnorm", "position": "rope", "bias": False, "swiglu": True, 
 def layer_ops(spec) -> tuple[str, ...]:
     """The layer ops of ``spec`` in execution order (module docstring); ``spec`` needs
     the attributes norm, position, attention and swiglu."""
-    norm = "rmsnorm" if spec.norm == "rmsnorm" else "layernorm"
-    ops = [f"1st-{norm}", "qkv"] + (["rotary"] if spec.position == "rope" else [])
-    ops += ["fused-attention"] if spec.attention == "fused" else list(UNFUSED_ATTENTION_OPS)
+    return _layer_ops(spec.norm, spec.position, spec.attention, spec.swiglu)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_ops(norm, position, attention, swiglu) -> tuple[str, ...]:
+    norm = "rmsnorm" if norm == "rmsnorm" else "layernorm"
+    ops = [f"1st-{norm}", "qkv"] + (["rotary"] if position == "rope" else [])
+    ops += ["fused-attention"] if attention == "fused" else list(UNFUSED_ATTENTION_OPS)
     ops += ["attn-dense", "post-attn-dropout", f"2nd-{norm}", "mlp-gemm-1",
-            "swiglu" if spec.swiglu else "gelu", "mlp-gemm-2", "post-mlp-dropout"]
+            "swiglu" if swiglu else "gelu", "mlp-gemm-2", "post-mlp-dropout"]
     return tuple(ops)
 
 
@@ -289,6 +295,7 @@ class CutTensor:
     pieces: int = 1
 
 
+@functools.lru_cache(maxsize=1024)
 def cut_tensors(spec, after: str) -> tuple[CutTensor, ...]:
     """The tensors a stage boundary after layer op ``after`` carries: those made at or
     before ``after`` in its layer (or the layer input "x") that an op after it reads, in
