@@ -71,3 +71,38 @@ def test_search_with_op_boundaries_on_the_cpu_demo(tmp_path):
     cut.save(tmp_path / "plan.json")
     assert json.loads((tmp_path / "plan.json").read_text())["version"] == 2
     assert load_plan(tmp_path / "plan.json").to_dict() == cut.to_dict()
+
+
+def test_three_stages_come_within_one_percent_of_every_partition():
+    """Three stages of one pipeline over a 2-layer model (26 ops), started from a skewed
+    whole-layer split: the refined plan is within 1% of the best of all 300 partitions
+    of the ops into three stages, each with its recompute fitted as the refinement fits it."""
+    from dataclasses import replace
+
+    from eth.planner.evaluate import Evaluator
+    from eth.planner.op_boundaries import fit_recompute
+
+    m = replace(M4, name="m2", num_layers=2)
+    cluster = make_cluster([{"type": "A100", "devices_per_node": 1}, {"type": "RTX3090", "devices_per_node": 2}])
+    cost = CostModel(m, cluster, profiles_for(m, cluster), TrainSetup())
+    k = len(layer_ops(m))
+    base = [StagePlan([0], "A100", 1, 1, (0, 1)), StagePlan([1], "RTX3090", 1, 1, (1, 2)),
+            StagePlan([2], "RTX3090", 1, 1, (1, 2))]
+    order = Evaluator(cost).recompute_order
+
+    def plan_of(a, b):
+        stages = [respan(base[0], m, 0, a), respan(base[1], m, a, b), respan(base[2], m, b, 2 * k)]
+        for j in range(3):
+            fitted = fit_recompute(cost, order, PipelinePlan(4, 64, stages), j)
+            if fitted is None:
+                return None
+            stages[j] = fitted
+        return Plan(m, cluster, 64, [PipelinePlan(4, 64, stages)], training=TrainSetup())
+
+    every = [cost.evaluate(p)["iteration_ms"] for a in range(1, 2 * k - 1) for b in range(a + 1, 2 * k)
+             if (p := plan_of(a, b)) is not None]
+    assert len(every) == 300
+    start = plan_of(k - 3, k - 1)
+    refined, record = refine_boundaries(start, cost, 64)
+    got = cost.evaluate(refined)["iteration_ms"]
+    assert record["kept"] and got <= min(every) * 1.01, (got, min(every), record)
