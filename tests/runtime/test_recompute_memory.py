@@ -170,3 +170,36 @@ def test_layer_index_decides_which_ops_form_a_run():
                     for layer in stage.layers]
     assert checkpointed == [[("softmax", "attn-dropout"), ("mlp-gemm-1", "gelu")],
                             [("mlp-gemm-1",)], []]
+
+
+@pytest.mark.parametrize("name", ["gpt-dropout", "llama"])
+def test_a_stage_cut_inside_layers_keeps_what_its_parts_predict(name):
+    """Middle stages that start and/or end inside a layer (``ops``), with and without
+    recompute next to the boundary: the runtime's saved bytes equal, to the byte, the sum
+    over the stage's layers of ``LayerKeep`` of the part of each layer it holds (the
+    tensors read from before the part kept like the layer input).  The received boundary
+    buffer itself is not saved by autograd (the ops keep their own contiguous copies); the
+    schedule holds it per micro-batch in flight, which ``CostModel.cut_stage_shape`` adds."""
+    from eth.spec.plan import StagePlan
+    from megatron.hpp.models.boundary import buffer_shape
+
+    spec = SPECS[name]
+    names = layer_ops(spec)
+    shapes = _shapes(spec, 1)
+    cases = [((names[3], names[-1]), (0, 2), {}), ((names[0], names[3]), (0, 2), {}),
+             ((names[3], names[9]), (0, 2), {}), ((names[2], names[-1]), (0, 2), {names[2]: 1, names[3]: 1}),
+             ((names[0], names[4]), (0, 2), {names[3]: 2, names[4]: 1}), ((names[6], names[-1]), (0, 1), {})]
+    gen = torch.Generator().manual_seed(0)
+    with initialised_default_group():
+        for ops, layers, recompute in cases:
+            plan = StagePlan([], "cpu", 1, 1, layers, recompute, ops=ops)
+            stage = GPTStage(spec, layers, False, False, fake_tp_group(1), _tracker(), recompute, ops=ops).train()
+            rows, width = buffer_shape(spec, plan.span(spec)[0])
+            inputs = torch.randn(rows, MBS, width, generator=gen, requires_grad=True)
+            got = _kept_bytes(lambda: stage(inputs), list(stage.parameters()))
+            want = 0.0
+            for layer in range(*layers):
+                held = plan.held_ops(spec, layer)
+                redo = {op for op in recompute if layer in plan.recompute_layers(spec, op)}
+                want += LayerKeep(layer_dataflow(spec), shapes, None if held == names else held).kept(redo)
+            assert got == want, (ops, layers, recompute, got, want)
