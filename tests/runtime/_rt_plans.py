@@ -114,9 +114,14 @@ def tp_1_2_4_same_layers() -> Plan:
 
 
 def different_splits_with_dp() -> Plan:
-    """(g) two pipelines with different layer splits, non-contiguous unordered tp ranks
-    and a dp 2 stage: p0 = tp 2 [5, 1] layers [0, 1) -> dp 2 [2, 3] layers [1, 4);
-    p1 = [4] layers [0, 3) -> tp 2 [6, 0] layer 3.  Layers 1-2 are held by 3 ranks, layer 3
-    by a dp pair and a tp pair; lbs 10 / 6, mbs 2 / 3."""
-    return make(7, [PipelinePlan(2, 10, [stage([5, 1], 2, 1, (0, 1)), stage([2, 3], 1, 2, (1, 4))]),
-                    PipelinePlan(3, 6, [stage([4], 1, 1, (0, 3)), stage([6, 0], 2, 1, (3, 4))])])
+    """(g) two pipelines with different splits inside layers, non-contiguous unordered tp
+    ranks and a dp 2 stage: p0 = tp 2 [5, 1] layer 0 and layer 1 through softmax -> dp 2
+    [2, 3] from layer 1's attn-dropout (qkv and the probabilities all-gathered by the tp
+    pair, sliced by samples for the dp pair); p1 = [4] layers 0-2 and layer 3 through
+    mlp-gemm-1 -> tp 2 [6, 0] from layer 3's gelu (the MLP activation cut by the tp pair).
+    Layers 1 and 3 are cut into parameter blocks at both pipelines' boundaries; layer 2
+    is held by 3 ranks; lbs 10 / 6, mbs 2 / 3."""
+    return make(7, [PipelinePlan(2, 10, [stage([5, 1], 2, 1, (0, 2), ops=("1st-layernorm", "softmax")),
+                                         stage([2, 3], 1, 2, (1, 4), ops=("attn-dropout", "post-mlp-dropout"))]),
+                    PipelinePlan(3, 6, [stage([4], 1, 1, (0, 4), ops=("1st-layernorm", "mlp-gemm-1")),
+                                        stage([6, 0], 2, 1, (3, 4), ops=("gelu", "post-mlp-dropout"))])])

@@ -24,7 +24,9 @@ learning-rate schedule computed independently by the reference):
   the dynamic scale backs off, and the losses stay finite.
 
 Plans: (f) tp 4 / 2 / 1 pipelines on the same layers, ranks listed out of order;
-(g) different layer splits, unordered non-contiguous tp ranks, a dp 2 stage;
+(g) different splits inside layers (after softmax: tp 2 -> dp 2; after mlp-gemm-1:
+tp 1 -> tp 2; the cut layers' parameters in part blocks), unordered non-contiguous tp
+ranks, a dp 2 stage: bf16 and fp16 too on boundaries inside layers;
 (e) one pipeline whose tp 2 x dp 2 stage feeds a dp 3 stage (blocks held by 3 ranks).
 """
 import json
