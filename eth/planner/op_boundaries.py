@@ -60,6 +60,8 @@ def fit_recompute(cost, order, pipe: PipelinePlan, j: int) -> StagePlan | None:
     counts = {op: sum(op in h for h in held) for op in layer_ops(spec)}
     runs_in = counts.__getitem__
 
+    if stage_cost({}).fits:            # recompute only adds time
+        return replace(st, recompute={})
     options = []
     own = stage_cost(st.recompute)
     if own.fits:
@@ -80,10 +82,8 @@ def fit_recompute(cost, order, pipe: PipelinePlan, j: int) -> StagePlan | None:
                     lo = mid
             chosen.update((op, min(hi, runs_in(op))) for op in run)
             break
-    if not stage_cost({}).fits and stage_cost(chosen).fits:
+    if stage_cost(chosen).fits:
         options.append((stage_cost(chosen).total_ms, dict(chosen)))
-    elif stage_cost({}).fits:
-        options.append((stage_cost({}).total_ms, {}))
     if not options:
         return None
     return replace(st, recompute={op: n for op, n in min(options, key=lambda o: o[0])[1].items() if n > 0})
@@ -158,45 +158,72 @@ def minmax_partition(cost, order, pipe: PipelinePlan, spec, steps: int = 10) -> 
 
 
 def balanced_floor(plan, cost) -> float:
-    """A floor of the iteration time any partition of ``plan``'s ops over its stages
-    reaches, for pipelines whose stages are alike (one device type, tp and dp): the
-    stages' forward + backward times summed and shared evenly, times Lbs / Mbs - 1
-    micro-batches (Eq. 5's steady state; fill and drain only add).  0 where a pipeline's
-    stages differ (a faster stage could take more)."""
+    """About the least iteration time a partition of ``plan``'s ops over its stages can
+    reach, for pipelines whose stages are alike (one device type, tp and dp): Eq. 5's end
+    of the first stage is at least the sum T of the stages' forward + backward times (the
+    fill and the drain) plus Lbs / Mbs - 1 times the slowest stage, itself at least T / S
+    and at least the first (last) stage holding the embedding (head) and one layer op (T as
+    at the plan's split; moving ops changes it only by the boundary's messages and
+    recompute, which add).  0 where a pipeline's stages differ (a faster stage could take
+    more)."""
+    spec = plan.model
+    n_ops = spec.num_layers * len(layer_ops(spec))
     floor = 0.0
     for p in plan.pipelines:
         if len({(st.device_type, st.tp, st.dp) for st in p.stages}) > 1:
             return 0.0
-        totals = [c.total_ms for c in cost.pipeline_costs(p)]
-        floor = max(floor, (p.lbs // p.mbs - 1) * sum(totals) / len(totals))
+        total = sum(c.total_ms for c in cost.pipeline_costs(p))
+        slowest = total / len(p.stages)
+        if len(p.stages) > 1:   # the first stage holds the embedding, the last the head: one op at least
+            ends = list(p.stages)
+            ends[0], ends[-1] = respan(ends[0], spec, 0, 1), respan(ends[-1], spec, n_ops - 1, n_ops)
+            costs = cost.pipeline_costs(PipelinePlan(p.mbs, p.lbs, ends))
+            slowest = max(slowest, costs[0].total_ms, costs[-1].total_ms)
+        floor = max(floor, total + (p.lbs // p.mbs - 1) * slowest)
     return floor
 
 
+def _split(st: StagePlan, by_tp: bool, by_dp: bool) -> list[StagePlan]:
+    """``st`` as several stages: one per tp rank (``by_tp``: tp 1, the stage's dp; the
+    ranks of that tp rank in every replica) and / or one per replica (``by_dp``: dp 1)."""
+    reps = [st.replica(d) for d in range(st.dp)]
+    tps = range(st.tp) if by_tp else [None]
+    dps = range(st.dp) if by_dp else [None]
+    out = []
+    for t in tps:
+        for d in dps:
+            ranks = [r for dd, rep in enumerate(reps) if d in (None, dd)
+                     for tt, r in enumerate(rep) if t in (None, tt)]
+            out.append(replace(st, ranks=ranks, tp=1 if by_tp else st.tp, dp=1 if by_dp else st.dp,
+                               recompute={}, predicted={}, ops=None))
+    return out
+
+
 def deeper(plan) -> list:
-    """Variants of ``plan`` whose stages of dp d > 1 are d stages of dp 1 (one per
-    replica, the same tp), at the pipeline's micro-batch size and each halving of it
-    down to 1, the ops split evenly over the stages (:func:`refine_boundaries` then
-    partitions them): a split inside layers can balance a deeper pipeline that whole
-    layers could not."""
+    """Variants of ``plan`` with deeper pipelines: every stage of tp t > 1 as t stages of
+    tp 1, every stage of dp d > 1 as d stages of dp 1, or both (:func:`_split`), at the
+    pipeline's micro-batch size and each halving of it that the new stages' dp divides,
+    the ops split evenly over the stages (:func:`refine_boundaries` then partitions
+    them): a split inside layers can balance a deeper pipeline that whole layers could
+    not."""
     spec = plan.model
     total = spec.num_layers * len(layer_ops(spec))
-    if not any(st.dp > 1 for p in plan.pipelines for st in p.stages):
-        return []
     out = []
-    sizes = sorted({p.mbs >> h for p in plan.pipelines for h in range(p.mbs.bit_length()) if p.mbs >> h}, reverse=True)
-    for mbs in sizes:
-        pipes = []
-        for p in plan.pipelines:
-            split = [replace(st, ranks=list(st.replica(d)), dp=1, recompute={}, predicted={}, ops=None)
-                     for st in p.stages for d in range(st.dp)]
-            if len(split) > total:
-                break
-            bounds = [round(i * total / len(split)) for i in range(len(split) + 1)]
-            stages = [respan(st, spec, a, b) for st, a, b in zip(split, bounds, bounds[1:])]
-            size = min(mbs, p.mbs)
-            pipes.append(PipelinePlan(size, max(p.lbs // size, 1) * size, stages))
-        else:
-            out.append(replace(plan, pipelines=pipes, predicted={}))
+    for by_tp, by_dp in ((False, True), (True, False), (True, True)):
+        if not any((by_tp and st.tp > 1) or (by_dp and st.dp > 1) for p in plan.pipelines for st in p.stages):
+            continue
+        for halvings in range(max(p.mbs for p in plan.pipelines).bit_length()):
+            pipes = []
+            for p in plan.pipelines:
+                split = [new for st in p.stages for new in _split(st, by_tp, by_dp)]
+                mbs = max(p.mbs >> halvings, 1)
+                if len(split) > total or any(mbs % st.dp for st in split):
+                    break
+                bounds = [round(i * total / len(split)) for i in range(len(split) + 1)]
+                stages = [respan(st, spec, a, b) for st, a, b in zip(split, bounds, bounds[1:])]
+                pipes.append(PipelinePlan(mbs, max(p.lbs // mbs, 1) * mbs, stages))
+            else:
+                out.append(replace(plan, pipelines=pipes, predicted={}))
     return out
 
 
