@@ -15,7 +15,8 @@ search script) with and without ``--op-boundaries``, and prints the predicted it
 With ``--aceso-repo <SuperScaler checkout>`` each plan of one pipeline is also converted
 to Aceso's config format (:func:`aceso_config`) and scored by Aceso's own cost model, run
 from that checkout (``search/aceso_cost_model.py``, pure Python): its iteration time and
-its largest stage memory against the 28000 MB limit.
+its largest stage memory against the 28000 MB limit.  ``--memory-mb`` plans for less
+memory than Aceso's limit (the two memory models differ: docs/EVALUATION.md).
 """
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ CASES = (  # (Aceso model, our model, nodes, devices per node)
 )
 
 
-def cluster(nodes: int, per_node: int) -> Cluster:
+def cluster(nodes: int, per_node: int, memory_gb: float = MEMORY_GB) -> Cluster:
     return Cluster.from_dict({"name": f"aceso-v100-{nodes}x{per_node}", "inter_node_gbps": 100,
-                              "device_types": {"V100": {"memory_gb": MEMORY_GB}},
+                              "device_types": {"V100": {"memory_gb": memory_gb}},
                               "nodes": [{"type": "V100", "devices_per_node": per_node, "count": nodes}]})
 
 
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--aceso-dir", required=True, help="Aceso's profiler/profiled-time-eurosys folder")
     ap.add_argument("--aceso-repo", type=Path, help="a SuperScaler checkout (branch Aceso): also score the plans "
                                                      "of one pipeline in Aceso's cost model")
+    ap.add_argument("--memory-mb", type=float, default=28000,
+                    help="device memory our planner plans for, MB of 2^20 bytes (Aceso's limit stays 28000)")
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args(argv)
     print(f"{'model':10} {'cluster':18} {'whole layers ms':>16} {'search s':>9} "
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
         for op_boundaries in (False, True):
             opt = SearchOptions(gbs=1024, setup=SETUP, op_boundaries=op_boundaries, jobs=args.jobs)
             t0 = time.perf_counter()
-            plan = search(model, cluster(nodes, per_node), db, opt)
+            plan = search(model, cluster(nodes, per_node, args.memory_mb * 2 ** 20 / 1e9), db, opt)
             row.append((plan.predicted["iteration_ms"], time.perf_counter() - t0, plan))
         stages = "+".join(str(len(p.stages)) for p in row[1][2].pipelines)
         print(f"{aceso_model:10} {f'{nodes} x {per_node} V100':18} {row[0][0]:16.2f} {row[0][1]:9.2f} "
