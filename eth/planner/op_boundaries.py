@@ -29,6 +29,49 @@ from eth.spec.model import cut_tensors, layer_ops
 from eth.spec.plan import PipelinePlan, StagePlan
 
 
+OP_BOUNDARY_MARGIN = 1.10
+"""``--op-boundaries`` refines the polished groups whose whole-layer plan is within 10% of
+the best one's (on Aceso's 1.3B / 4 V100 profiles the best split inside layers comes from
+a group 5% behind with whole layers)."""
+OP_BOUNDARY_VARIANTS = 2
+"""... and the best plan's deeper variants with the lowest floors, this many (on Aceso's
+13B / 32 V100 profiles the best is the lowest floor's; each refinement of a deep
+pipeline takes about a second there)."""
+
+
+def refine_search(search, plan):
+    """``--op-boundaries`` at the end of :class:`eth.planner.search.HPPSearch`: ``plan``
+    (the search's best), the polished groups' plans within :data:`OP_BOUNDARY_MARGIN` of
+    it, and the :data:`OP_BOUNDARY_VARIANTS` deeper variants of ``plan`` with the lowest
+    floors (:func:`deeper`); after ``plan`` the others by ascending
+    :func:`balanced_floor`, skipping those whose floor is not below the best time so far,
+    each refined (:func:`refine_boundaries`; a group or a pipeline depth whose whole-layer
+    split is slower may hold the better split inside layers).  The fastest, with its
+    record for plan.search (``candidates``: how many were refined)."""
+    opt, cost, best_ms = search.opt, search.cost, search.best.iteration_ms
+    others = [c.plan for c in sorted(search.top, key=lambda c: c.iteration_ms)
+              if c.plan is not plan and c.iteration_ms <= best_ms * OP_BOUNDARY_MARGIN]
+    seen, variants = {p.content_hash() for p in [plan] + others}, []
+    for v in deeper(plan):
+        if v.content_hash() not in seen:
+            seen.add(v.content_hash())
+            variants.append(v)
+    floors = {id(p): balanced_floor(p, cost) for p in others + variants}
+    others += sorted(variants, key=lambda p: floors[id(p)])[:OP_BOUNDARY_VARIANTS]
+    best, after, moves, tried = plan, best_ms, 0, 0
+    for candidate in [plan] + sorted(others, key=lambda p: floors[id(p)]):
+        if search.out_of_time() and tried:
+            break
+        if tried and floors[id(candidate)] >= after:
+            continue
+        tried += 1
+        got, rec = refine_boundaries(candidate, cost, opt.gbs, opt.allow_overshoot)
+        if rec["kept"] and rec["after_ms"] < after * (1 - 1e-9):
+            best, after, moves = got, rec["after_ms"], rec["moves"]
+    return best, {"before_ms": round(best_ms, 4), "after_ms": round(after, 4), "moves": moves,
+                  "kept": best is not plan, "candidates": tried}
+
+
 def respan(stage: StagePlan, spec, a: int, b: int) -> StagePlan:
     """``stage`` holding the ops [a, b) (positions), recompute counts capped."""
     names = layer_ops(spec)

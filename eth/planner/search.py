@@ -385,10 +385,10 @@ class HPPSearch:
         plan = self.best.plan
         boundaries = None
         if opt.op_boundaries:
-            from eth.planner.op_boundaries import refine_boundaries
+            from eth.planner.op_boundaries import refine_search
 
             with self.phases("op_boundaries"):
-                plan, boundaries = self._refine_boundaries(plan, refine_boundaries)
+                plan, boundaries = refine_search(self, plan)
         self.cost.annotate(plan)
         plan.search = {
             "strategy": opt.strategy, "time_s": round(self.clock.elapsed(), 3),
@@ -415,42 +415,6 @@ class HPPSearch:
         if boundaries is not None:
             plan.search["op_boundaries"] = boundaries
         return plan.validate()
-
-    def _refine_boundaries(self, plan, refine):
-        """``--op-boundaries``: the best plan, the polished groups' plans within
-        :data:`OP_BOUNDARY_MARGIN` of it, and the :data:`OP_BOUNDARY_VARIANTS` deeper
-        variants of the best plan with the lowest floors
-        (:func:`eth.planner.op_boundaries.deeper`); after the best plan the others by
-        ascending :func:`eth.planner.op_boundaries.balanced_floor`, skipping those whose
-        floor is not below the best time so far, each refined
-        (:mod:`eth.planner.op_boundaries`; a group or a pipeline depth whose whole-layer
-        split is slower may hold the better split inside layers); the fastest, with its
-        record (``candidates``: how many were refined)."""
-        from eth.planner.op_boundaries import balanced_floor, deeper
-
-        opt = self.opt
-        others = [c.plan for c in sorted(self.top, key=lambda c: c.iteration_ms)
-                  if c.plan is not plan and c.iteration_ms <= self.best.iteration_ms * OP_BOUNDARY_MARGIN]
-        seen, variants = {p.content_hash() for p in [plan] + others}, []
-        for v in deeper(plan):
-            if v.content_hash() not in seen:
-                seen.add(v.content_hash())
-                variants.append(v)
-        floors = {id(p): balanced_floor(p, self.cost) for p in others + variants}
-        others += sorted(variants, key=lambda p: floors[id(p)])[:OP_BOUNDARY_VARIANTS]
-        plans = [plan] + sorted(others, key=lambda p: floors[id(p)])
-        best, after, moves, tried = plan, self.best.iteration_ms, 0, 0
-        for candidate in plans:
-            if self.out_of_time() and tried:
-                break
-            if tried and floors[id(candidate)] >= after:
-                continue
-            tried += 1
-            got, rec = refine(candidate, self.cost, opt.gbs, opt.allow_overshoot)
-            if rec["kept"] and rec["after_ms"] < after * (1 - 1e-9):
-                best, after, moves = got, rec["after_ms"], rec["moves"]
-        return best, {"before_ms": round(self.best.iteration_ms, 4), "after_ms": round(after, 4),
-                      "moves": moves, "kept": best is not plan, "candidates": tried}
 
     def _mark_dp(self, p: int) -> None:
         if not self.stats.dp_triggered_at:
@@ -573,14 +537,6 @@ class HPPSearch:
 
 
 SEED_STRATEGIES = ("metis-strong", "uniform", "hexiscale-strong")
-OP_BOUNDARY_MARGIN = 1.10
-"""``--op-boundaries`` refines the polished groups whose whole-layer plan is within 10% of
-the best one's (on Aceso's 1.3B / 4 V100 profiles the best split inside layers comes from
-a group 5% behind with whole layers)."""
-OP_BOUNDARY_VARIANTS = 2
-"""... and the best plan's deeper variants with the lowest floors, this many (on Aceso's
-13B / 32 V100 profiles the best is the lowest floor's; each refinement of a deep
-pipeline takes about a second there)."""
 """The planners whose plans seed the HPP search (the strong baselines: their plans lie in
 HPP's space; the faithful Metis may use mixed-type stages, which the plan format lacks),
 in the order they run (the slowest last: beside the search it may use what the others
