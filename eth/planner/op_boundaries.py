@@ -1,21 +1,28 @@
 """Stage boundaries inside layers (plan version 2): after the search, op by op.
 
-The search places whole layers.  With ``SearchOptions.op_boundaries`` its best plans are
-then refined, Aceso-style: in every pipeline the bottleneck stage (the largest
-forward + backward time) may shed up to one layer's ops, op by op, to either neighbour
-(op i of layer l at position l * k + i; each stage keeps at least one op), and the
-boundary position that gives the pipeline the earliest end time (Eq. 5 at its Lbs, the
-All-Reduce times of the plan as searched, every stage within its memory) is taken;
-rounds repeat until no move makes the pipeline faster.  The batch is then allocated again over the pipelines' new end-time
-lines (Eq. 2-4, :func:`eth.planner.allocate.allocate`), and the refined plan is kept
-only if the whole-plan evaluation (:meth:`eth.cost.model.CostModel.evaluate`) is faster
-than the plan as searched.  A boundary that would carry the qkv output of a stage whose
-tp exceeds the model's kv_heads is not tried (the plan format refuses it).
+The search places whole layers.  With ``SearchOptions.op_boundaries`` (``--op-boundaries``)
+:func:`refine_search` refines its best plan, the polished groups' plans close to it and
+deeper variants of it (:func:`deeper`: tp or dp stages as pipeline stages), in order of a
+floor (:func:`balanced_floor`).  :func:`refine_boundaries` refines one plan, each
+pipeline in two ways, keeping the faster:
 
-The two stages a move changes get their recompute fitted again (:func:`fit_recompute`):
-the faster of their recompute counts before the move (``recompute[op] = n``: the first
-n of the stage's layers that run op; capped at the layers that run op after it) and
-the least recompute that fits by the search's rule.
+* Aceso-style moves from its own split: the bottleneck stage (largest forward + backward
+  time) sheds up to one layer's ops, op by op, to either neighbour (op i of layer l at
+  position l * k + i; each stage keeps one op at least), taking the boundary position
+  that gives the pipeline the earliest end time (Eq. 5 at its Lbs, the All-Reduce times
+  of the plan as given, every stage within its memory), in rounds until no move helps;
+* :func:`minmax_partition` of all the model's ops over its stages (bisection on the
+  slowest stage's time with a greedy fill), then the same moves.
+
+Every stage a move or the partition changes gets its recompute fitted again
+(:func:`fit_recompute`: none if that fits, else the faster of its counts before the move
+-- ``recompute[op] = n``, the first n of the stage's layers that run op, capped at those
+after it -- and the least recompute that fits by the search's run order).  The batch is
+then allocated again over the pipelines' new end-time lines (Eq. 2-4,
+:func:`eth.planner.allocate.allocate`), and the refined plan is kept only if the
+whole-plan evaluation (:meth:`eth.cost.model.CostModel.evaluate`) is faster.  A boundary
+that would carry the qkv output of a stage whose tp exceeds the model's kv_heads is not
+tried (the plan format refuses it).
 """
 from __future__ import annotations
 
