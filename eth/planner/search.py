@@ -146,13 +146,12 @@ class HPPSearch:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.pipelines_optimised += 1
-        # the polish and the symmetric phase (the callers with another batch) read the
-        # alternatives at once, which leaves the floor pruning little to cut: not pruned
+        # pruned at every batch: the callers with another batch (the polish, the symmetric
+        # phase) read at most the MAX_ALTERNATIVES next groups, which pruning completes
         with self.phases("balance"):
             result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
                                        self.opt.stage_groups_topk, self.opt.max_stages, self.out_of_time,
-                                       self.phases, self.opt.prune and batch == self.opt.gbs,
-                                       self.opt.type_orders)
+                                       self.phases, self.opt.prune, self.opt.type_orders)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound
