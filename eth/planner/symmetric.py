@@ -96,17 +96,23 @@ def _copies(search, results, k: int) -> Candidate | None:
     return best
 
 
-def _evaluate(child, vec, k: int) -> Candidate | None:
+def _evaluate(child, vec, k: int, best_ms: float = math.inf) -> Candidate | None:
     """The symmetric group of k copies of ``vec`` in ``child``'s blocks: the normal three
     phases (phase 1 for Gbs), and every stage group's configuration planned for the
     even share Gbs / k (phase 1 with B = Lbs, where Eq. 1's bubble is that of the real
-    micro-batch count) copied k times; the fastest after finer Mbs, offered to ``child``."""
+    micro-batch count) copied k times; the fastest after finer Mbs, offered to ``child``.
+
+    The alternatives of the share's phase 1 are copied only when its best configuration
+    is faster than ``best_ms`` (the search's best plan): every alternative's Eq. 1 at
+    Gbs / k with its own All-Reduce is at least that configuration's, and k copies run
+    at least one of them on Gbs / k samples or more, so none could be faster."""
     found = [c for c in [child.evaluate_group((vec,) * k)] if c is not None]
     gbs = child.opt.gbs
     if gbs % k == 0 and not child.out_of_time():
         r = child.phase1(vec, batch=gbs // k)
         if r is not None and r.feasible:
-            cand = _copies(child, [r, *r.alternatives], k)
+            others = r.alternatives if r.evaluation.ms < best_ms else ()
+            cand = _copies(child, [r, *others], k)
             if cand is not None:
                 found.append(finer_microbatches(child, cand))
     if not found:
@@ -180,7 +186,8 @@ def symmetric_phase(search) -> tuple[dict, list[tuple[int, Candidate]]]:
         child = _sibling(search, blocks)
         vec = (1,) * len(per)
         record["pipelines"].append(k)
-        cand = _evaluate(child, vec, k) if child.can_hold(vec) else None
+        best_ms = search.best.iteration_ms if search.best is not None else math.inf
+        cand = _evaluate(child, vec, k, best_ms) if child.can_hold(vec) else None
         record["ms"][str(k)] = round(cand.iteration_ms, 4) if cand is not None else None
         if cand is not None:
             found.append((k, cand, child))
