@@ -87,6 +87,16 @@ class SearchOptions:
     each pipeline's Mbs free among its halvings/doublings (0 = off)."""
     polish_budget: int = 100
     """Group evaluations the final polish may spend on each of the ``polish_top`` groups."""
+    patience: int = 16
+    """With three or more device types, the enumeration (and DP) stops once this many
+    device groups in a row, after the one-pipeline group, have not made the best plan
+    more than ``patience_gain`` faster; the symmetric phase and the polish still run
+    (plan.search["patience_stop"]).  Pipelines of several types are seldom dominated and
+    the approximate bound compares only equal device counts, so section 5.2's skipping
+    rarely cuts anything there, and the groups after the first few confirm the plan
+    rather than improve it.  0 = off (every group, as with two types)."""
+    patience_gain: float = 0.001
+    """Relative improvement of the best plan that resets the ``patience`` count."""
     dp_window: int = 64
     """Device groups in the sliding window that measures the skip rate."""
     dp_skip_threshold: float = 0.5
@@ -141,7 +151,9 @@ class SearchOptions:
         if self.stage_groups_topk < 0 or self.polish_top < 0:
             raise SpecError(f"stage_groups_topk and polish_top must be >= 0, got "
                             f"{self.stage_groups_topk}, {self.polish_top}")
-        for name in ("type_orders", "max_blocks"):
+        if self.patience_gain < 0:
+            raise SpecError(f"patience_gain must be >= 0, got {self.patience_gain}")
+        for name in ("type_orders", "max_blocks", "patience"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         for name in ("max_blocks_per_type", "max_stages", "balance_budget", "dp_window", "jobs"):

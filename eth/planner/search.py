@@ -87,6 +87,9 @@ class SearchStats:
     dp_triggered_at: int = 0
     """Pipeline count at which DP took over (0 = never)."""
     time_limited: bool = False
+    patience_stop: int = 0
+    """Evaluated device groups (enumerated and DP) when ``patience`` stopped the
+    enumeration (0 = it did not)."""
     reasons: dict = field(default_factory=dict)
     """Why evaluated groups produced no plan: reason -> count."""
 
@@ -114,6 +117,7 @@ class HPPSearch:
         self.clock = Clock(options.time_limit)
         self._window: deque = deque(maxlen=options.dp_window)
         self._dp_done = False
+        self._stale = 0            # groups in a row that did not improve the best (patience)
         self.top: list[Candidate] = []
         self.phases = PhaseTimer()
 
@@ -360,7 +364,7 @@ class HPPSearch:
                 bar.refresh()
                 visited, dp_now = 0, False
                 for vecs in self._ordered_groups(p):
-                    if self.out_of_time():
+                    if self.out_of_time() or self._patience_out():
                         break
                     visited += 1
                     bar.update(1)
@@ -372,7 +376,7 @@ class HPPSearch:
                         dp_now = True
                         break
                 self.stats.groups_not_visited += n - visited
-                if dp_now:
+                if dp_now or self._patience_out():
                     break
             symmetric = finish(self)
         finally:
@@ -407,6 +411,7 @@ class HPPSearch:
             "cost_evaluations": self.stats.cost_evaluations,
             "dp_triggered_at_pipelines": self.stats.dp_triggered_at,
             "time_limited": self.stats.time_limited,
+            "patience_stop": self.stats.patience_stop,
             "phase_s": self.phases.rounded(),
         }
         if opt.symmetric:
@@ -442,7 +447,26 @@ class HPPSearch:
                 return
         self._window.append(0)
         self.stats.groups_evaluated += 1
+        self._patient(vecs)
+
+    def _patient(self, vecs) -> None:
+        """:meth:`evaluate_group`, counting the groups in a row (after the first pipeline
+        count) that do not make the best plan ``patience_gain`` faster."""
+        before = self.best.iteration_ms if self.best is not None else math.inf
         self.evaluate_group(vecs)
+        if len(vecs) > 1:
+            now = self.best.iteration_ms if self.best is not None else math.inf
+            self._stale = 0 if now < before * (1 - self.opt.patience_gain) else self._stale + 1
+
+    def _patience_out(self) -> bool:
+        """True once ``patience`` groups in a row did not improve the best plan, on a
+        cluster of three or more device types (recorded in the statistics)."""
+        opt = self.opt
+        if not opt.patience or len(self.blocks.types) < 3 or self._stale < opt.patience:
+            return False
+        if not self.stats.patience_stop:
+            self.stats.patience_stop = self.stats.groups_evaluated + self.stats.groups_by_dp
+        return True
 
     def _skip_rate_low(self) -> bool:
         w = self._window
@@ -486,14 +510,14 @@ class HPPSearch:
 
         seen = set()
         for order in self._orderings():
-            if self.out_of_time():
+            if self.out_of_time() or self._patience_out():
                 break
             for q, (_, vecs) in sorted(split_dp(order, len(self.blocks.types), max_p, throughput).items()):
-                if q < p or vecs in seen or self.out_of_time():
+                if q < p or vecs in seen or self.out_of_time() or self._patience_out():
                     continue
                 seen.add(vecs)
                 self.stats.groups_by_dp += 1
-                self.evaluate_group(vecs)
+                self._patient(vecs)
 
     def _type_too_small(self) -> str | None:
         """The one-line reason when a device type cannot hold even one layer's model states

@@ -363,3 +363,45 @@ def test_a_type_that_cannot_hold_one_layer_is_named_and_one_type_clusters_plan()
     one = make_cluster([{"type": "A100", "devices_per_node": 4, "count": 2}])
     plan = search(M6, one, profiles_for(M6, one), SearchOptions(gbs=8))
     assert sorted(r for p in plan.pipelines for s in p.stages for r in s.ranks) == list(range(8))
+
+
+def test_patience_stops_the_enumeration_of_many_types_after_groups_that_do_not_improve(monkeypatch):
+    """With three device types the enumeration ends once ``patience`` groups in a row (after
+    the one-pipeline group) left the best plan no better than ``patience_gain``: the trace of
+    every evaluated group's best before and after shows where it must stop.  Two types are
+    never stopped (the same groups and plan as without patience)."""
+    from eth.planner.search import HPPSearch
+    three = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100", "RTX3090")])
+    db = profiles_for(M6, three)
+    trace = []
+    plain = HPPSearch.evaluate_group
+
+    def traced(self, vecs):
+        before = self.best.iteration_ms if self.best is not None else float("inf")
+        got = plain(self, vecs)
+        trace.append((len(vecs), before, self.best.iteration_ms))
+        return got
+
+    monkeypatch.setattr(HPPSearch, "evaluate_group", traced)
+    for patience in (1, 2, 3):
+        trace.clear()
+        plan = search(M6, three, db, SearchOptions(gbs=32, seeds=False, symmetric=False, polish_top=0,
+                                                   patience=patience))
+        stale, stop = 0, None
+        for i, (pipes, before, after) in enumerate(trace):
+            if pipes > 1:
+                stale = 0 if after < before * (1 - 1e-3) else stale + 1
+            if stale == patience:
+                stop = i + 1
+                break
+        assert stop is not None and plan.search["patience_stop"] == stop == len(trace), (patience, trace)
+        assert plan.search["candidates"]["not_visited"] > 0
+    trace.clear()
+    full = search(M6, three, db, SearchOptions(gbs=32, seeds=False, symmetric=False, polish_top=0, patience=0))
+    assert full.search["patience_stop"] == 0 and len(trace) > 3
+    # two types: patience never applies
+    two = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100")])
+    db2 = profiles_for(M6, two)
+    runs = [search(M6, two, db2, SearchOptions(gbs=32, seeds=False, patience=p)) for p in (0, 1)]
+    assert runs[0].search["candidates"] == runs[1].search["candidates"] and runs[1].search["patience_stop"] == 0
+    assert runs[0].predicted["iteration_ms"] == runs[1].predicted["iteration_ms"]
