@@ -78,11 +78,11 @@ def _swaps(order: tuple) -> list[tuple]:
     return out
 
 
-def uniform_plan(model, cluster, order, size: int, tp: int, mbs: int, gbs: int, ops) -> Plan:
-    """The uniform plan for one point of the space (see module docstring)."""
-    ranks = type_ranks(cluster)
-    counts = cluster.type_counts()
-    stages_of = [(t, i) for t in order for i in range(counts[t] // size)]
+def uniform_plan(model, cluster, order, size: int, tp: int, mbs: int, gbs: int, ops, ranks=None) -> Plan:
+    """The uniform plan for one point of the space (see module docstring); ``ranks``:
+    :func:`type_ranks` of ``cluster`` when the caller has it (a sweep builds thousands)."""
+    ranks = ranks if ranks is not None else type_ranks(cluster)
+    stages_of = [(t, i) for t in order for i in range(len(ranks[t]) // size)]
     split = even_split(model.num_layers, len(stages_of))
     stages, start = [], 0
     for (t, i), n in zip(stages_of, split):
@@ -102,6 +102,7 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
     N = cluster.world_size
     sizes = [s for s in divisors(g) if N // s <= model.num_layers]
     tps = {size: uniform_tps(model, cluster, profiles, size) for size in sizes}
+    ranks = type_ranks(cluster)
 
     def sweep(order) -> float:
         """Every plan of one type order (offered to ``best``); its fastest time."""
@@ -116,7 +117,7 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
                     if gbs % mbs:
                         continue
                     for _, ops in recompute_modes(model):
-                        ms = best.offer(cost, uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops))
+                        ms = best.offer(cost, uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops, ranks))
                         fastest = min(fastest, ms)
                         if ms < math.inf:
                             break   # more recompute only adds time
