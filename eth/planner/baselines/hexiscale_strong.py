@@ -58,9 +58,10 @@ def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int) -> tup
     if not e.feasible:
         return (e.overflow, math.inf), e
     m = ev.model
+    per_layer = m.params_per_layer()
     ar = []
     for j, (st, (a, b)) in enumerate(zip(state.stages, state.layer_ranges())):
-        params = (b - a) * m.params_per_layer()
+        params = (b - a) * per_layer
         if a == 0:
             params += m.embedding_params()
         if b == m.num_layers:
