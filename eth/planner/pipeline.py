@@ -78,15 +78,15 @@ class PipelineResult:
 
 def adaptive_budgets(cluster, groups: list[StageGroup], base: int) -> list[int]:
     """Section 6 budget of each stage group (see module docstring)."""
-    vm, vc = [], []
-    for g in groups:
-        mem = [n * cluster.types[t].memory_gb for t, n in g.stages]
-        comp = [n * cluster.types[t].tflops for t, n in g.stages]
-        vm.append(float(np.var(mem)))
-        vc.append(float(np.var(comp)))
     peers: dict = {}   # stage count -> indices, in order (one pass, not one per group)
     for i, g in enumerate(groups):
         peers.setdefault(g.num_stages, []).append(i)
+    vm, vc = [0.0] * len(groups), [0.0] * len(groups)
+    facts = {t: (d.memory_gb, d.tflops) for t, d in cluster.types.items()}
+    for ks in peers.values():    # the variances of one stage count's groups in one numpy call each
+        rows = np.array([[(n * facts[t][0], n * facts[t][1]) for t, n in groups[k].stages] for k in ks])
+        for k, m, c in zip(ks, np.var(rows[:, :, 0], axis=1).tolist(), np.var(rows[:, :, 1], axis=1).tolist()):
+            vm[k], vc[k] = m, c
     means = {n: (_mean([vm[k] for k in ks]), _mean([vc[k] for k in ks])) for n, ks in peers.items()}
     budgets = []
     for i, g in enumerate(groups):
