@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--type-orders", type=int, default=6,
                    help="type orders of a pipeline's stages expanded where it has more (the most promising "
                         "by their floors; 0: every order)")
-    p.add_argument("--patience", type=int, default=16,
+    p.add_argument("--patience", type=int, default=32,
                    help="with three or more device types, stop enumerating device groups after this many "
                         "in a row did not make the best plan 0.1%% faster (0: every group)")
     p.add_argument("--max-stages", type=int, default=16)

@@ -87,7 +87,7 @@ class SearchOptions:
     each pipeline's Mbs free among its halvings/doublings (0 = off)."""
     polish_budget: int = 100
     """Group evaluations the final polish may spend on each of the ``polish_top`` groups."""
-    patience: int = 16
+    patience: int = 32
     """With three or more device types, the enumeration (and DP) stops once this many
     device groups in a row, after the one-pipeline group, have not made the best plan
     more than ``patience_gain`` faster; the symmetric phase and the polish still run
