@@ -3,46 +3,59 @@ and the polish of the best device groups, spread over forked processes with ``jo
 and adopted in one order, so that every ``jobs`` value returns the same plan."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from eth.planner.polish import Candidate, lightest, polish
-from eth.planner.symmetric import adopt, symmetric_phase
+from eth.planner.symmetric import adopt, descend_best, evaluate_count, symmetric_counts
 from eth.planner.workers import parallel_map
 
 
 def finish(search) -> dict:
     """The symmetric phase, then the polish of the best groups (``polish_top``), each
-    adopted in that order where it is faster.  They read nothing the others change
-    but the caches and (the symmetric phase, the polish's last step) the best so far,
-    so with ``jobs`` > 1 they run spread over forked processes
-    (:func:`eth.planner.workers.parallel_map`) and are adopted here in the same order:
-    the same plan.  Returns the symmetric record for ``plan.search``."""
-    work = ([None] if search.opt.symmetric and not search.out_of_time() else []) + list(search.top)
+    adopted in that order where it is faster.  The symmetric groups (one per pipeline
+    count, :func:`eth.planner.symmetric.evaluate_count`) and the polished groups read
+    nothing the others change but the caches and the best so far, so with ``jobs`` > 1
+    they run spread over forked processes (:func:`eth.planner.workers.parallel_map`);
+    the symmetric descent of the best symmetric groups follows in this process, and all
+    is adopted here in one order: the same plan.  Returns the symmetric record for
+    ``plan.search``."""
+    counts = symmetric_counts(search) if search.opt.symmetric and not search.out_of_time() else []
+    work = [("symmetric", k, per) for k, per in counts] + [("polish", c) for c in search.top]
     evaluations = search.ev.evaluations
 
     def run(item):
-        if search.out_of_time():
-            return Finished(item, 0)
+        if search.out_of_time():   # a group left unpolished still gets the least recompute
+            return Finished(item[1] if item[0] == "polish" else None, 0)
         before = search.ev.evaluations
-        if item is None:
+        if item[0] == "symmetric":
             with search.phases("symmetric", sticky=True):
-                got = symmetric_phase(search)
+                got = Tried(evaluate_count(search, item[1], item[2]))
         else:
             with search.phases("polish", sticky=True):
-                got = polish(search, item, search.opt.polish_budget)
+                got = polish(search, item[1], search.opt.polish_budget)
         return Finished(got, search.ev.evaluations - before)
 
     done = parallel_map(run, work, search.opt.jobs, portable=Finished.portable)
     search.ev.evaluations = evaluations + sum(d.evaluations for d in done)
     symmetric = {}
+    if counts:
+        tried = [(item[1], item[2], d.value.candidate) for item, d in zip(work, done)
+                 if item[0] == "symmetric" and d.value is not None]
+        with search.phases("symmetric"):
+            symmetric = adopt(search, *descend_best(search, tried))
     for item, d in zip(work, done):
-        if item is None:
-            symmetric = adopt(search, *d.value) if d.value is not None else {}
-            continue
-        better = lightest(search, d.value)
-        if better.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
-            search.best = better
+        if item[0] == "polish":
+            better = lightest(search, d.value)
+            if better.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
+                search.best = better
     return symmetric
+
+
+@dataclass
+class Tried:
+    """One symmetric pipeline count's candidate (None: no feasible plan), as evaluated."""
+
+    candidate: Candidate | None
 
 
 @dataclass
@@ -54,13 +67,16 @@ class Finished:
 
     @staticmethod
     def portable(done: "Finished") -> "Finished":
-        """What a worker process sends back: its candidates' plans and times (their
-        per-pipeline results hold the worker's evaluator; what follows reads neither)."""
+        """What a worker process sends back: a polished candidate's plan and time (its
+        per-pipeline results hold the worker's evaluator; what follows reads neither);
+        a symmetric candidate also with its results, without their alternatives (the
+        symmetric descent in this process moves their states)."""
         v = done.value
         if isinstance(v, Candidate):
             v = _plan_only(v)
-        elif isinstance(v, tuple):      # the symmetric phase: (record, [(k, candidate)])
-            v = (v[0], [(k, _plan_only(c)) for k, c in v[1]])
+        elif isinstance(v, Tried) and v.candidate is not None:
+            c = v.candidate
+            v = Tried(Candidate(c.plan, c.iteration_ms, [replace(r, ready=(), pending=None) for r in c.results]))
         return Finished(v, done.evaluations)
 
 

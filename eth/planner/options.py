@@ -93,8 +93,9 @@ class SearchOptions:
     more than ``patience_gain`` faster; the symmetric phase and the polish still run
     (plan.search["patience_stop"]).  Pipelines of several types are seldom dominated and
     the approximate bound compares only equal device counts, so section 5.2's skipping
-    rarely cuts anything there, and the groups after the first few confirm the plan
-    rather than improve it.  0 = off (every group, as with two types)."""
+    rarely cuts anything there, and the later groups mostly confirm the plan.  A
+    heuristic stop, not a bound (docs/PLANNER.md "Patience").  0 = off (every group, as
+    with two types)."""
     patience_gain: float = 0.001
     """Relative improvement of the best plan that resets the ``patience`` count."""
     dp_window: int = 64

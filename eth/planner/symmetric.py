@@ -6,7 +6,7 @@ block (32-128 devices) of a type, and DP (Eq. 10) takes over after a few pipelin
 Many identical mixed pipelines -- e.g. 16 pipelines of 16 910B2 + 16 910B3 on 512
 devices, HexiScale's shape -- are then out of reach although they lie in HPP's space.
 
-:func:`symmetric_phase` adds them, after the enumeration and before the final polish.
+:func:`symmetric_phase` adds them, after the enumeration and beside the final polish.
 For every pipeline count k > 1 that divides every type's device count (and k <= Gbs,
 ``max_pipelines``), the *symmetric group* is k copies of one pipeline with count_t / k
 devices of each type.  It is evaluated on its own block granularity (one block = one
@@ -171,42 +171,57 @@ rarely pays, and its re-plans cost much on 512-1024 devices."""
 
 
 def symmetric_phase(search) -> tuple[dict, list[tuple[int, Candidate]]]:
-    """Evaluate (and polish) the symmetric groups of ``search``: the record for
-    ``plan.search["symmetric"]`` (the pipeline counts tried, the predicted ms of each after
-    polish where polished, null: no feasible plan) and the (k, candidate) found, for
-    :func:`adopt`.  Reads nothing the search changes but its caches and its best so far
-    (so it may run in a forked process, :mod:`eth.planner.workers`)."""
-    unit = make_blocks(search.cluster, search.cluster.world_size)
-    found: list[tuple[int, Candidate, object]] = []
-    record = {"pipelines": [], "ms": {}}
-    for k, per in symmetric_counts(search):
+    """Evaluate (and polish) the symmetric groups of ``search``: :func:`evaluate_count`
+    for each of :func:`symmetric_counts`, then :func:`descend_best`.  (With ``jobs`` > 1
+    :func:`eth.planner.finish.finish` spreads the counts over processes instead.)"""
+    counts = symmetric_counts(search)
+    tried = []
+    for k, per in counts:
         if search.out_of_time():
             break
-        blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks, unit.nodes)
-        child = _sibling(search, blocks)
-        vec = (1,) * len(per)
-        record["pipelines"].append(k)
-        best_ms = search.best.iteration_ms if search.best is not None else math.inf
-        cand = _evaluate(child, vec, k, best_ms) if child.can_hold(vec) else None
-        record["ms"][str(k)] = round(cand.iteration_ms, 4) if cand is not None else None
-        if cand is not None:
-            found.append((k, cand, child))
-    found.sort(key=lambda x: x[1].iteration_ms)
+        tried.append((k, per, evaluate_count(search, k, per)))
+    return descend_best(search, tried)
+
+
+def _blocks(search, k: int, per) -> Blocks:
+    unit = make_blocks(search.cluster, search.cluster.world_size)
+    return Blocks(unit.types, per, (k,) * len(per), unit.ranks, unit.nodes)
+
+
+def evaluate_count(search, k: int, per) -> Candidate | None:
+    """The symmetric group of k pipelines of ``per`` devices per type (:func:`_evaluate`
+    in a sibling search), or None.  Reads nothing the search changes but its caches and
+    its best so far (so it may run in a forked process, :mod:`eth.planner.workers`)."""
+    child = _sibling(search, _blocks(search, k, per))
+    vec = (1,) * len(per)
+    best_ms = search.best.iteration_ms if search.best is not None else math.inf
+    return _evaluate(child, vec, k, best_ms) if child.can_hold(vec) else None
+
+
+def descend_best(search, tried) -> tuple[dict, list[tuple[int, Candidate]]]:
+    """The symmetric descent of the ``polish_top`` best of ``tried`` ((k, devices per
+    type, :func:`evaluate_count`'s candidate), ascending k) within ``refine_margin`` of the
+    best plan so far: the record for ``plan.search["symmetric"]`` (the pipeline counts
+    tried, the predicted ms of each after the descent where descended, null: no feasible
+    plan) and the (k, candidate) found, for :func:`adopt`."""
+    record = {"pipelines": [k for k, _, _ in tried],
+              "ms": {str(k): round(c.iteration_ms, 4) if c is not None else None for k, _, c in tried}}
+    found = sorted(((k, per, c) for k, per, c in tried if c is not None), key=lambda x: x[2].iteration_ms)
     bar = min([search.best.iteration_ms] if search.best is not None else [], default=math.inf)
     if found:
-        bar = min(bar, found[0][1].iteration_ms) * (1 + search.opt.refine_margin)
-    for i, (k, cand, child) in enumerate(found):
-        # the polish_top best within refine_margin of the best plan so far
+        bar = min(bar, found[0][2].iteration_ms) * (1 + search.opt.refine_margin)
+    for i, (k, per, cand) in enumerate(found):
         if i >= search.opt.polish_top or cand.iteration_ms > bar or search.out_of_time():
             break
+        child = _sibling(search, _blocks(search, k, per))
         better = _descend(child, cand, DESCENT_BUDGET * search.opt.polish_budget)
         final = None if search.out_of_time() else variant_allocation(child, better.results)
         if final is not None and final.iteration_ms < better.iteration_ms:
             better = final
         if better.iteration_ms < cand.iteration_ms:
-            found[i] = (k, better, child)
+            found[i] = (k, per, better)
             record["ms"][str(k)] = round(better.iteration_ms, 4)
-    return record, [(k, cand) for k, cand, _ in found]
+    return record, [(k, cand) for k, _, cand in found]
 
 
 def adopt(search, record: dict, found: list[tuple[int, Candidate]]) -> dict:
