@@ -53,6 +53,7 @@ from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_gr
                                    pipeline_can_hold, plan_tp_in_nodes)
 from eth.planner.evaluate import Evaluator
 from eth.planner.finish import finish
+from eth.planner.infeasible import infeasible_message, type_too_small
 from eth.planner.options import SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import Candidate, finer_microbatches, variant_allocation
@@ -336,8 +337,8 @@ class HPPSearch:
         max_p = min(self.blocks.total, opt.gbs, opt.max_pipelines or self.blocks.total)
         limit = opt.dp_group_limit if opt.dp else None
         if not self.can_hold(total):
-            raise InfeasibleError(self._infeasible_message())
-        small = self._type_too_small()
+            raise InfeasibleError(infeasible_message(self))
+        small = type_too_small(self)
         if small:
             raise InfeasibleError(small)
         bar = progress_bar(0, opt.progress, "hpp", unit="group")
@@ -384,7 +385,7 @@ class HPPSearch:
             root.__exit__()
         self.stats.cost_evaluations = self.ev.evaluations
         if self.best is None:
-            raise InfeasibleError(self._infeasible_message())
+            raise InfeasibleError(infeasible_message(self))
         plan = self.best.plan
         boundaries = None
         if opt.op_boundaries:
@@ -518,45 +519,6 @@ class HPPSearch:
                 seen.add(vecs)
                 self.stats.groups_by_dp += 1
                 self._patient(vecs)
-
-    def _type_too_small(self) -> str | None:
-        """The one-line reason when a device type cannot hold even one layer's model states
-        (weights, gradients, optimizer states; activations and reserved memory left out, so
-        this is a lower bound of every stage's memory): all its devices as one stage at its
-        largest tp, ZeRO-sharded over all its replicas.  Every device takes part in a plan,
-        so then no plan fits."""
-        for t, n in self.cluster.type_counts().items():
-            tps = self.ev.valid_tps(t, n)
-            if not tps:
-                continue
-            tp = max(tps)
-            dp = n // tp
-            c = self.cost.stage_cost_at(t, tp, dp, 1, False, False, dp, {}, 1, (1e9,) * 3)
-            need = c.params * self.cost.setup.state_bytes_per_param(dp)
-            if need > c.capacity_bytes:
-                return (f"device type {t} ({c.capacity_bytes / 1e9:.2f} GB per device) cannot hold one layer of "
-                        f"{self.model.name}: its weights, gradients and optimizer states alone take "
-                        f"{need / 1e9:.2f} GB per device with all {n} devices as one stage at tp {tp}; "
-                        f"leave it out of the cluster")
-        return None
-
-    def _infeasible_message(self) -> str:
-        need = self.model.num_params() * self.cost.bytes_per_param / 1e9
-        have = sum(d.memory_gb * n for d, n in
-                   ((self.cluster.types[t], c) for t, c in self.cluster.type_counts().items()))
-        if not self.can_hold(self.blocks.count):  # not even the whole cluster as one pipeline
-            return (f"model {self.model.name} needs {need:.1f} GB for weights, gradients and optimizer "
-                    f"states but the cluster has {have:.1f} GB of device memory")
-        if self.stats.time_limited and self.stats.groups_evaluated + self.stats.groups_by_dp == 0:
-            return f"time limit {self.opt.time_limit}s reached before any device group was evaluated"
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.reasons.items())) or "none evaluated"
-        evaluated = self.stats.groups_evaluated + self.stats.groups_by_dp
-        lead = f"no feasible plan for model {self.model.name} with gbs {self.opt.gbs}"
-        if set(self.stats.reasons) <= {"no Lbs split with sum == gbs", "more pipelines than gbs",
-                                       "no pipeline configuration whose mbs divides gbs"}:
-            lead = (f"gbs {self.opt.gbs} cannot be split into local batches that are whole multiples "
-                    f"of the pipelines' mbs for model {self.model.name}")
-        return f"{lead} on {self.cluster.world_size} devices ({evaluated} device groups evaluated; {reasons})"
 
 
 SEED_STRATEGIES = ("metis-strong", "uniform", "hexiscale-strong")
