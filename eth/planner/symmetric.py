@@ -6,7 +6,8 @@ block (32-128 devices) of a type, and DP (Eq. 10) takes over after a few pipelin
 Many identical mixed pipelines -- e.g. 16 pipelines of 16 910B2 + 16 910B3 on 512
 devices, HexiScale's shape -- are then out of reach although they lie in HPP's space.
 
-:func:`symmetric_phase` adds them, after the enumeration and beside the final polish.
+:func:`evaluate_count` (one per pipeline count) and :func:`descend_best` add them, after the
+enumeration and beside the final polish (:func:`eth.planner.finish.finish` runs them).
 For every pipeline count k > 1 that divides every type's device count (and k <= Gbs,
 ``max_pipelines``), the *symmetric group* is k copies of one pipeline with count_t / k
 devices of each type.  It is evaluated on its own block granularity (one block = one
@@ -168,19 +169,6 @@ DESCENT_BUDGET = 4
 on each polished symmetric group.  The general polish (:func:`eth.planner.polish.polish`)
 is not run on these groups: its moves change one pipeline of k identical ones, which
 rarely pays, and its re-plans cost much on 512-1024 devices."""
-
-
-def symmetric_phase(search) -> tuple[dict, list[tuple[int, Candidate]]]:
-    """Evaluate (and polish) the symmetric groups of ``search``: :func:`evaluate_count`
-    for each of :func:`symmetric_counts`, then :func:`descend_best`.  (With ``jobs`` > 1
-    :func:`eth.planner.finish.finish` spreads the counts over processes instead.)"""
-    counts = symmetric_counts(search)
-    tried = []
-    for k, per in counts:
-        if search.out_of_time():
-            break
-        tried.append((k, per, evaluate_count(search, k, per)))
-    return descend_best(search, tried)
 
 
 def _blocks(search, k: int, per) -> Blocks:
