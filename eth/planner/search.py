@@ -91,6 +91,8 @@ class SearchStats:
     patience_stop: int = 0
     """Evaluated device groups (enumerated and DP) when ``patience`` stopped the
     enumeration (0 = it did not)."""
+    patience_at: int = 0
+    """Pipeline count whose groups the patience stop left partly unvisited (0: none)."""
     reasons: dict = field(default_factory=dict)
     """Why evaluated groups produced no plan: reason -> count."""
 
@@ -377,7 +379,10 @@ class HPPSearch:
                         dp_now = True
                         break
                 self.stats.groups_not_visited += n - visited
-                if dp_now or self._patience_out():
+                if dp_now:
+                    break
+                if self._patience_out():
+                    self.stats.patience_at = p if visited < n else p + 1
                     break
             symmetric = finish(self)
         finally:

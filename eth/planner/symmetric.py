@@ -30,8 +30,8 @@ evaluator, clock, phase timer and statistics (:func:`_evaluate`):
    (:func:`eth.planner.polish.variant_allocation`).
 
 A pipeline count is left out when the enumeration already visited that symmetric group in
-the search's own blocks (k divides every block count, k was counted before DP took over,
-no time limit), and k = 1 (the one-pipeline group is the enumeration's first).  The best
+the search's own blocks (k divides every block count, k was counted before DP took over
+and before the patience stop cut a pipeline count short, no time limit), and k = 1 (the one-pipeline group is the enumeration's first).  The best
 candidate replaces the search's best only if it is predicted faster, so the phase can only
 improve the plan; ``plan.search["symmetric"]`` records the counts tried, each one's
 predicted ms and the count that won (0: none).
@@ -43,8 +43,8 @@ from dataclasses import replace
 
 from eth.planner.enumerate import Blocks, make_blocks
 from eth.planner.pipeline import PipelineResult
-from eth.planner.polish import (Candidate, better_trial, finer_microbatches, pipeline_moves,
-                                variant_allocation)
+from eth.planner.polish import (Candidate, better_trial, finer_microbatches, lightest,
+                                pipeline_moves, variant_allocation)
 
 
 def divisors(n: int) -> list[int]:
@@ -63,7 +63,8 @@ def symmetric_counts(search) -> list[tuple[int, tuple[int, ...]]]:
             continue
         in_blocks = all(c % k == 0 for c in search.blocks.count)
         visited = (k <= stats.counted_pipelines and not stats.time_limited
-                   and (not stats.dp_triggered_at or k < stats.dp_triggered_at))
+                   and (not stats.dp_triggered_at or k < stats.dp_triggered_at)
+                   and (not stats.patience_at or k < stats.patience_at))
         if in_blocks and visited:
             continue
         out.append((k, tuple(c // k for c in unit.count)))
@@ -213,11 +214,12 @@ def descend_best(search, tried) -> tuple[dict, list[tuple[int, Candidate]]]:
 
 
 def adopt(search, record: dict, found: list[tuple[int, Candidate]]) -> dict:
-    """Make a symmetric group the search's best where it is faster; ``record`` with
-    "won", the count whose plan became the best (0: none)."""
+    """Make a symmetric group the search's best where it is faster, with the least
+    recompute that fits (:func:`eth.planner.polish.lightest`, as a polished group gets);
+    ``record`` with "won", the count whose plan became the best (0: none)."""
     record = dict(record, won=0)
     for k, cand in found:
         if search.best is None or cand.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
-            search.best = cand
+            search.best = lightest(search, cand)
             record["won"] = k
     return record

@@ -405,3 +405,17 @@ def test_patience_stops_the_enumeration_of_many_types_after_groups_that_do_not_i
     runs = [search(M6, two, db2, SearchOptions(gbs=32, seeds=False, patience=p)) for p in (0, 1)]
     assert runs[0].search["candidates"] == runs[1].search["candidates"] and runs[1].search["patience_stop"] == 0
     assert runs[0].predicted["iteration_ms"] == runs[1].predicted["iteration_ms"]
+
+
+def test_a_pipeline_count_the_patience_stop_cut_short_gets_its_symmetric_group():
+    """The symmetric phase leaves out a pipeline count only if the enumeration visited all
+    its groups: with patience 1 the enumeration stops inside the two-pipeline groups, so
+    the symmetric group of two pipelines is evaluated (and here it is the best plan, the
+    one the search finds without patience); without patience k = 2 was visited."""
+    three = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100", "RTX3090")])
+    db = profiles_for(M6, three)
+    cut, full = (search(M6, three, db, SearchOptions(gbs=32, seeds=False, patience=p)) for p in (1, 0))
+    assert cut.search["patience_stop"] and cut.search["candidates"]["counted_pipelines"] == 2
+    assert cut.search["symmetric"]["pipelines"] == [2, 4]
+    assert full.search["patience_stop"] == 0 and full.search["symmetric"]["pipelines"] == [4]
+    assert cut.predicted["iteration_ms"] == pytest.approx(full.predicted["iteration_ms"], rel=1e-9)
