@@ -131,25 +131,45 @@ FLOOR_CHUNK = 1 << 22
 
 
 def stage_group_floors(ev, groups, batch: int) -> list[float]:
-    """:func:`stage_group_floor` of each (stages, ranks) of ``groups``: the groups with the
+    """:func:`stage_group_floor` of each (stages, ranks) of ``groups``.  The groups with the
     same stage count are combined in (group x Mbs, stage, layers) arrays of at most
     ``FLOOR_CHUNK`` floats, so that phase 1's floors of a pipeline's stage groups take a
     few numpy calls per stage count instead of a dozen per group (the values are the same:
     every (group, Mbs) row is reduced alone).  Only the first L - S + 1 layer counts of a
-    stage are read (each of S stages holds at least one layer)."""
+    stage are read (each of S stages holds at least one layer), and only the (group, Mbs)
+    rows where one layer fits on every stage (the others are inf in both floors).  A
+    stage's row is looked up once per stage position and ranks objects: the stage groups
+    of a pipeline share their per-type placements (:func:`eth.planner.pipeline.stage_ranks`)."""
     L = ev.model.num_layers
     out = [math.inf] * len(groups)
+    links: dict = {}     # (type, devices, ids of the stage's and its neighbours' ranks) -> tps, links
+    index: dict = {}     # _stage_row's key -> position in unique (-1: None)
+    unique: list = []
     by_count: dict = {}
     for i, (stages, ranks) in enumerate(groups):
-        S = len(stages)
-        rows = []
+        S, ids = len(stages), []
         for j, (t, n) in enumerate(stages):
-            row = _stage_floor(ev, t, n, j, S, ranks, batch)
-            if row is None:      # no tp's dp divides the batch: inf
+            nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j else None
+            lkey = (t, n, id(ranks[j]), id(nxt), id(prv))
+            tl = links.get(lkey)
+            if tl is None:
+                tl = links[lkey] = _stage_links(ev, t, n, ranks[j], nxt, prv)
+            key = (t, n, j == 0, j == S - 1, S - j, batch) + tl
+            u = index.get(key)
+            if u is None:
+                row = _stage_row(ev, key)
+                u = index[key] = -1 if row is None else len(unique)
+                if row is not None:
+                    unique.append(row)
+            if u < 0:        # no tp's dp divides the batch: inf
                 break
-            rows.append(row)
+            ids.append(u)
         else:
-            by_count.setdefault(S, []).append((i, rows))
+            by_count.setdefault(S, []).append((i, ids))
+    if not by_count:
+        return out
+    rows = np.stack(unique)                               # (row, Mbs, layers)
+    fits = np.isfinite(rows[:, :, 0])                     # one layer fits at that Mbs
     fill = np.array([batch // m - 1 for m in _divisors(batch)], dtype=float)
     M = len(fill)
     for S, entries in by_count.items():
@@ -157,18 +177,16 @@ def stage_group_floors(ev, groups, batch: int) -> list[float]:
         step = max(1, FLOOR_CHUNK // (M * S * W))
         for lo in range(0, len(entries), step):
             part = entries[lo:lo + step]
-            flat = np.empty((len(part) * M, S, W))            # one row per (group, Mbs)
-            for g, (_, rows) in enumerate(part):
-                for j, row in enumerate(rows):
-                    flat[g * M:(g + 1) * M, j] = row[:, :W]
-            fills = np.tile(fill, len(part))
-            # an Mbs where one layer does not fit on some stage is inf in both floors (rows
-            # are non-decreasing); 0 x inf of one micro-batch is dropped by the where
+            idx = np.array([ids for _, ids in part], dtype=np.intp)        # (group, stage)
+            g, m = np.nonzero(fits[idx].all(axis=1))                       # live (group, Mbs)
+            flat = rows[idx[g], m[:, None], :W]                            # (live row, stage, layers)
+            # 0 x inf of one micro-batch is dropped by the where
             with np.errstate(invalid="ignore"):
-                total = (np.where(fills > 0, fills * _split_floors(flat, L), 0.0)
-                         + _sum_floors(flat, L)).reshape(len(part), M)
-            for (i, _), best in zip(part, total.min(axis=1)):
-                out[i] = float(best)
+                total = np.where(fill[m] > 0, fill[m] * _split_floors(flat, L), 0.0) + _sum_floors(flat, L)
+            best = np.full((len(part), M), math.inf)
+            best[g, m] = total
+            for (i, _), b in zip(part, best.min(axis=1)):
+                out[i] = float(b)
     return out
 
 
@@ -228,21 +246,33 @@ def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
     divides it) and one column per layer count 1..L, memoised on the evaluator by all it
     reads (the stage's type, devices, first / last, stages after it, batch and its links
     for each valid tp); None when no tp's dp divides ``batch``."""
-    cost = ev.cost
     nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
-    lkey = ("links", ranks[j], nxt, prv)    # (not the whole pipeline's ranks: thousands to hash)
+    return _stage_row(ev, (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks[j], nxt, prv))
+
+
+def _stage_links(ev, t: str, n: int, ranks, nxt, prv) -> tuple:
+    """(the valid tps of a stage of ``n`` devices of type ``t`` on ``ranks``, their
+    :meth:`eth.cost.model.CostModel.stage_links` towards the stages on ``nxt`` / ``prv``),
+    memoised on the evaluator (not by the whole pipeline's ranks: thousands to hash)."""
+    lkey = ("links", ranks, nxt, prv)
     hit = ev._floors.get(lkey)
-    if hit is None:   # the stage's valid tps and their links on these ranks
-        tps = ev.valid_tps(t, n, ranks[j])
-        hit = ev._floors[lkey] = (tps, tuple(cost.stage_links(t, tp, ranks[j], nxt, prv) for tp in tps))
-    tps, links = hit
-    key = (t, n, j == 0, j == S - 1, S - j, batch, tps) + links
+    if hit is None:
+        tps = ev.valid_tps(t, n, ranks)
+        hit = ev._floors[lkey] = (tps, tuple(ev.cost.stage_links(t, tp, ranks, nxt, prv) for tp in tps))
+    return hit
+
+
+def _stage_row(ev, key: tuple):
+    """:func:`_stage_floor` by its key (type, devices, first, last, stages from it on,
+    batch, valid tps, their links), memoised on the evaluator."""
     hit = ev._floors.get(key)
     if hit is not None or key in ev._floors:
         return hit
+    t, n, first, last, after, batch, tps, links = key
+    cost = ev.cost
     # the shapes (tp, micro), ordered by Mbs = dp x micro, and their cost terms do not
-    # depend on S - j: one table
-    tkey = ("table",) + key[:4] + key[5:]
+    # depend on the stages after it: one table
+    tkey = ("table", t, n, first, last, batch, tps, links)
     table = ev._floors.get(tkey)
     if table is None:
         mbss = _divisors(batch)
@@ -252,12 +282,12 @@ def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
         which = [mbss.index(dp * micro) for _, dp, micro, _, _ in shapes]
         starts = [k for k in range(len(which)) if k == 0 or which[k] != which[k - 1]]
         table = ev._floors[tkey] = (shapes, np.array([which[k] for k in starts]), np.array(starts, dtype=np.intp),
-                                    cost.floor_table(t, j == 0, j == S - 1, shapes) if shapes else None)
+                                    cost.floor_table(t, first, last, shapes) if shapes else None)
     shapes, used, starts, terms = table
     f = None
     if shapes:
         # the in-flight micro-batches of evaluate: min(S - j, B / Mbs), at least 1
-        inflight = [max(1, min(S - j, batch // (dp * micro))) for _, dp, micro, _, _ in shapes]
+        inflight = [max(1, min(after, batch // (dp * micro))) for _, dp, micro, _, _ in shapes]
         layers = np.arange(1, ev.model.num_layers + 1, dtype=float)
         times = cost.stage_time_floors_at(terms, inflight, layers)
         f = np.full((len(_divisors(batch)), len(layers)), math.inf)
