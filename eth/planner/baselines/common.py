@@ -143,10 +143,12 @@ class Best:
     evaluated: int = 0
     """Candidate plans scored with CostModel.evaluate."""
 
-    def offer(self, cost: CostModel, plan: Plan) -> float:
-        """Score ``plan``; keep it if feasible and faster.  Returns its time (inf if infeasible)."""
+    def offer(self, cost: CostModel, plan: Plan, ar=None) -> float:
+        """Score ``plan`` (``ar``: its :meth:`eth.cost.model.CostModel.stage_allreduce_ms`
+        when the caller has it); keep it if feasible and faster.  Returns its time (inf if
+        infeasible)."""
         self.evaluated += 1
-        out = cost.evaluate(plan)
+        out = cost.evaluate(plan, ar)
         if not out["feasible"]:
             return math.inf
         if out["iteration_ms"] < self.iteration_ms * (1 - 1e-12):

@@ -109,7 +109,7 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
         fastest = math.inf
         for size in sizes:
             for tp in tps[size]:
-                dp = size // tp
+                dp, ar = size // tp, None    # Eq. 6 reads neither mbs nor recompute: once per tp
                 for m in powers_of_two(options.max_micro):
                     if clock.out():
                         return fastest
@@ -117,7 +117,10 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
                     if gbs % mbs:
                         continue
                     for _, ops in recompute_modes(model):
-                        ms = best.offer(cost, uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops, ranks))
+                        plan = uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops, ranks)
+                        if ar is None:
+                            ar = cost.stage_allreduce_ms(plan.pipelines)
+                        ms = best.offer(cost, plan, ar)
                         fastest = min(fastest, ms)
                         if ms < math.inf:
                             break   # more recompute only adds time
