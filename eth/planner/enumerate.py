@@ -235,10 +235,11 @@ def stage_groups(types, devices, num_layers: int, max_stages: int, orders=None) 
     perms = itertools.permutations(present) if orders is None else \
         [tuple((t, count[t]) for t in order) for order in orders]
     for perm in perms:
-        for sizes in itertools.product(*[_stage_sizes(d, limit) for _, d in perm]):
-            stages = tuple((t, s) for (t, d), s in zip(perm, sizes) for _ in range(d // s))
-            if 1 <= len(stages) <= limit:
-                result.append(StageGroup(stages))
+        # per type: (stage count, its stages) of each allowed stage size
+        options = [[(d // s, ((t, s),) * (d // s)) for s in _stage_sizes(d, limit)] for t, d in perm]
+        for choice in itertools.product(*options):
+            if 1 <= sum(n for n, _ in choice) <= limit:
+                result.append(StageGroup(tuple(itertools.chain.from_iterable(st for _, st in choice))))
     return result
 
 
