@@ -28,11 +28,11 @@ other stage, or double / halve Mbs.  Recompute: per stage the cheapest of none /
 selective / full that fits (``BaselineOptions.recompute = "stage"``, default), or the
 HPP op-level rule ("op").  Each result becomes the k-pipeline
 plan scored by :meth:`eth.cost.model.CostModel.evaluate`; the fastest feasible plan wins.
-With ``prune`` the stage groups of each k are balanced in ascending order of their floor
-(:func:`eth.planner.bounds.stage_group_floors` on the first pipeline's ranks: a lower bound
-of its Eq. 1 time over every layer split, tp, Mbs and recompute, so of the Eq. 5 time and
-the iteration time of any plan of the group), and the rest are left once a floor exceeds
-the best iteration time found: the same best plan.
+With ``prune`` the stage groups of every k are balanced in one ascending order of their
+floor (:func:`eth.planner.bounds.stage_group_floors` on the first pipeline's ranks: a lower
+bound of its Eq. 1 time over every layer split, tp, Mbs and recompute, so of the Eq. 5
+time and the iteration time of any plan of the group), and the rest are left once a floor
+exceeds the best iteration time found: the same best plan.
 """
 from __future__ import annotations
 
@@ -52,21 +52,25 @@ from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
 from eth.planner.pipeline import promising_orders
 
 
-def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int) -> tuple[tuple, Evaluation]:
-    """((overflow, Eq. 5 end time of the pipeline), evaluation)."""
+def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int, ar_memo: dict) -> tuple[tuple, Evaluation]:
+    """((overflow, Eq. 5 end time of the pipeline), evaluation); ``ar_memo`` keeps each
+    stage's Eq. 6 by its position, tp and layers (one stage group's links and k)."""
     e = ev.evaluate(state, lbs, rep)
     if not e.feasible:
         return (e.overflow, math.inf), e
-    m = ev.model
-    per_layer = m.params_per_layer()
     ar = []
     for j, (st, (a, b)) in enumerate(zip(state.stages, state.layer_ranges())):
-        params = (b - a) * per_layer
-        if a == 0:
-            params += m.embedding_params()
-        if b == m.num_layers:
-            params += m.head_params()
-        ar.append(eq6_allreduce_ms(params / st.tp * ev.cost.grad_bytes, k, links[j]))
+        key = (j, st.tp, a == 0, b == ev.model.num_layers, b - a)
+        ms = ar_memo.get(key)
+        if ms is None:
+            m = ev.model
+            params = (b - a) * m.params_per_layer()
+            if a == 0:
+                params += m.embedding_params()
+            if b == m.num_layers:
+                params += m.head_params()
+            ms = ar_memo[key] = eq6_allreduce_ms(params / st.tp * ev.cost.grad_bytes, k, links[j])
+        ar.append(ms)
     return (0.0, max(eq5_end_times(e.costs, lbs, state.mbs, ar))), e
 
 
@@ -74,10 +78,11 @@ def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep,
                    mbs_options: list[int], clock: Clock) -> tuple[PipeState, Evaluation, float] | None:
     """Layer balancing + Mbs for one stage group (see module docstring); None if infeasible."""
     memo: dict = {}
+    ar_memo: dict = {}
 
     def cost(s):
         if s not in memo:
-            memo[s] = _score(ev, s, lbs, rep, links, k)
+            memo[s] = _score(ev, s, lbs, rep, links, k, ar_memo)
         return memo[s]
 
     starts = sorted({mbs_options[0], mbs_options[min(2, len(mbs_options) - 1)]})
@@ -123,33 +128,39 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
     ks, fits, too_small = pipeline_counts(cluster, unit, need, gbs)
     best = Best()
     tried = 0
+    # every pipeline count's stage groups, balanced in one ascending order of their floors
+    # (a better plan found early leaves more groups unbalanced; the same best plan)
+    work = []
     bar = progress_bar(len(fits), options.progress, "hexiscale-strong")
     try:
-        for k, per in fits:
+        for n, (k, per) in enumerate(fits):
             bar.update(1)
             if clock.out():
                 continue
             lbs = gbs // k
-            mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
             blocks = Blocks(unit.types, per, (k,) * len(per), unit.ranks)
             orders = promising_orders(ev, blocks, (1,) * len(per), lbs, options.max_stages, options.type_orders)
             groups = []
             for g in tp_stage_groups(unit, per, model, ev, options, clock, orders):
                 ranks = assign_ranks(blocks, [list(g.stages)] * k)
                 groups.append((g, ranks, tuple(tuple(r) for r in ranks[0])))
-            for floor, (g, ranks, rep) in floor_order(ev, groups, [(g.stages, rep) for g, _, rep in groups], lbs,
-                                                      options.prune):
-                if floor > best.iteration_ms * (1 + 1e-9) or clock.out():
-                    break           # no plan of this or a later group can be faster
-                tried += 1
-                links = [cluster.link_gbps([r for p in ranks for r in p[j]]) for j in range(g.num_stages)]
-                stages = tuple(StageState(t, n, n, 1) for t, n in g.stages)
-                got = balance_layers(ev, stages, lbs, rep, links, k, mbs_options, clock)
-                if got is None:
-                    continue
-                state, e, _ = got
-                pipes = [pipeline_plan(state, e.recompute, rk, lbs) for rk in ranks]
-                best.offer(cost, Plan(model, cluster, gbs, pipes))
+            ordered = floor_order(ev, groups, [(g.stages, rep) for g, _, rep in groups], lbs, options.prune)
+            work += [(floor, n, i, k, item) for i, (floor, item) in enumerate(ordered)]
+        work.sort(key=lambda w: w[:3])
+        for floor, _, _, k, (g, ranks, rep) in work:
+            if floor > best.iteration_ms * (1 + 1e-9) or clock.out():
+                break           # no plan of this or a later group can be faster
+            tried += 1
+            lbs = gbs // k
+            mbs_options = [m for m in powers_of_two(min(lbs, options.max_micro)) if lbs % m == 0]
+            links = [cluster.link_gbps([r for p in ranks for r in p[j]]) for j in range(g.num_stages)]
+            stages = tuple(StageState(t, d, d, 1) for t, d in g.stages)
+            got = balance_layers(ev, stages, lbs, rep, links, k, mbs_options, clock)
+            if got is None:
+                continue
+            state, e, _ = got
+            pipes = [pipeline_plan(state, e.recompute, rk, lbs) for rk in ranks]
+            best.offer(cost, Plan(model, cluster, gbs, pipes))
     finally:
         bar.close()
     why = no_plan_reason(ks, unit, gbs, need, too_small, f" ({tried} stage groups)")
