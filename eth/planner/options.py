@@ -133,8 +133,9 @@ class SearchOptions:
     jobs: int = 1
     """Processes the search may use at once, this one included.  With more than one (and
     the fork start method: Linux, macOS) the seed planners run in a forked process during
-    the group enumeration, and the symmetric phase and the polish of the best groups are
-    spread over ``jobs`` processes (:mod:`eth.planner.workers`).  The plan is the same for
+    the group enumeration, the processes they leave optimise the enumeration's pipelines
+    ahead (:mod:`eth.planner.ahead`), and the symmetric phase and the polish of the best
+    groups are spread over ``jobs`` processes (:mod:`eth.planner.workers`).  The plan is the same for
     every value; only the wall time and the search statistics differ."""
     setup: TrainSetup = TrainSetup()
     """Precision, ZeRO stage and gradient dtype to plan for (memory, Eq. 6); recorded in

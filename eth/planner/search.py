@@ -36,6 +36,7 @@ balancer rounds) and at every polish step; the best plan found so far is returne
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import deque
@@ -46,6 +47,7 @@ from eth.cost.model import CostModel
 from eth.errors import InfeasibleError
 from eth.spec.model import ModelSpec
 from eth.spec.plan import PipelinePlan, Plan, StagePlan
+from eth.planner.ahead import Ahead
 from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.dynprog import split_dp
@@ -123,6 +125,7 @@ class HPPSearch:
         self._stale = 0            # groups in a row that did not improve the best (patience)
         self.top: list[Candidate] = []
         self.phases = PhaseTimer()
+        self.ahead = Ahead(self)
 
     # ------------------------------------------------------------------ helpers
     def _devices(self, vec) -> dict[str, int]:
@@ -153,17 +156,26 @@ class HPPSearch:
             self.stats.cache_hits += 1
             return self._cache[key]
         self.stats.pipelines_optimised += 1
-        # pruned at every batch: the callers with another batch (the polish, the symmetric
-        # phase) read at most the MAX_ALTERNATIVES next groups, which pruning completes
-        with self.phases("balance"):
-            result = optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
-                                       self.opt.stage_groups_topk, self.opt.max_stages, self.out_of_time,
-                                       self.phases, self.opt.prune, self.opt.type_orders)
+        kept = self.ahead.take(vec) if batch == self.opt.gbs else None
+        if kept is not None:        # done ahead, in this or a forked process
+            result = kept.result
+            self.ev.evaluations += kept.evaluations
+        else:
+            result = self.optimise(vec, batch)
         if self.opt.cache and not self.clock.hit:  # a result cut by the time limit is not cached
             self._cache[key] = result
         if batch == self.opt.gbs and not self.clock.hit:  # a cut result is no bound
             self._known[vec] = result.throughput if result is not None else 0.0
         return result
+
+    def optimise(self, vec, batch: int) -> PipelineResult | None:
+        """:func:`eth.planner.pipeline.optimise_pipeline` with the search's options.  Pruned
+        at every batch: the callers with another batch (the polish, the symmetric phase)
+        read at most the MAX_ALTERNATIVES next groups, which pruning completes."""
+        with self.phases("balance"):
+            return optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
+                                     self.opt.stage_groups_topk, self.opt.max_stages, self.out_of_time,
+                                     self.phases, self.opt.prune, self.opt.type_orders)
 
     def phase3(self, result: PipelineResult, lbs: int) -> PipelineResult:
         key = (result.vec, lbs, result.state)
@@ -366,12 +378,13 @@ class HPPSearch:
                 bar.total += n
                 bar.refresh()
                 visited, dp_now = 0, False
-                for vecs in self._ordered_groups(p):
+                groups = list(self._ordered_groups(p))
+                for i, vecs in enumerate(groups):
                     if self.out_of_time() or self._patience_out():
                         break
                     visited += 1
                     bar.update(1)
-                    self._visit(vecs)
+                    self._visit(vecs, itertools.islice(groups, i, None))
                     if opt.dp and self._skip_rate_low():
                         self._mark_dp(p)
                         with self.phases("dp"):
@@ -444,13 +457,16 @@ class HPPSearch:
         keyed.sort(key=lambda x: (x[0], x[1]))
         return (g for _, _, g in keyed)
 
-    def _visit(self, vecs) -> None:
+    def _visit(self, vecs, upcoming=()) -> None:
+        """Skip or evaluate one enumerated group; ``upcoming``: it and the groups after it,
+        whose pipelines phase 1 may optimise ahead (:class:`eth.planner.ahead.Ahead`)."""
         if self.opt.skip and self.best is not None:
             bound = sum(self.upper_bound(v) for v in vecs)
             if bound < self.best_throughput * (1 - 1e-9):
                 self.stats.groups_skipped += 1
                 self._window.append(1)
                 return
+        self.ahead.fill(upcoming)
         self._window.append(0)
         self.stats.groups_evaluated += 1
         self._patient(vecs)

@@ -82,3 +82,28 @@ def test_jobs_give_the_same_plans(monkeypatch):
     assert won[0] == 3      # the symmetric phase's result was adopted (test_symmetric)
     with pytest.raises(SpecError, match="jobs must be >= 1, got 0"):
         SearchOptions(gbs=8, jobs=0)
+
+
+def test_phase_one_ahead_in_children_gives_the_same_search(monkeypatch):
+    """Unseeded, jobs 3: the enumeration's phase 1 runs ahead in forked children (every
+    item in a child, so every result read comes back without its lazy alternatives, which
+    the polish then reads); the same plan, groups, patience stop and cost evaluations as
+    one process, and the children did work."""
+    import functools
+
+    import eth.planner.ahead as ahead_module
+    from _planner_data import M6
+
+    calls = []
+
+    def children_only(fn, items, jobs, **kw):
+        calls.append(len(items))
+        return parallel_map(fn, items, jobs, share=False, **kw)
+    monkeypatch.setattr(ahead_module, "parallel_map", children_only)
+    three = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100", "RTX3090")])
+    db = profiles_for(M6, three)
+    one, many = (search(M6, three, db, SearchOptions(gbs=32, seeds=False, patience=4, jobs=jobs)) for jobs in (1, 3))
+    assert calls and sum(calls) >= 8
+    assert one.to_dict()["pipelines"] == many.to_dict()["pipelines"]
+    for key in ("candidates", "cost_evaluations", "patience_stop", "symmetric"):
+        assert one.search[key] == many.search[key], key
