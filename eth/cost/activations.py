@@ -110,32 +110,56 @@ class LayerKeep:
     # ------------------------------------------------------------------ every set
     def freed_all(self) -> tuple[np.ndarray, np.ndarray]:
         """(members, freed): for every subset R of the layer ops (row m: bit i of m is
-        op i of the layer order) its 0 / 1 membership row and :meth:`freed` (R), in numpy."""
-        k = len(self.order)
-        masks = np.arange(1 << k)
-        bits = ((masks[:, None] >> np.arange(k)) & 1).astype(bool)
-        kept_t: dict[str, np.ndarray] = {}
-        for t, keepers in self._keepers.items():
-            kept_t[t] = ~bits[:, keepers].all(axis=1)
-        # the run of each recomputed op keeps something (else torch's checkpoint keeps
-        # nothing, its inputs included): an op of the run up to it, or from it on, does
-        keeps = np.array([self._keeps[op] for op in self.order])
-        before = np.zeros((len(masks), k), bool)
-        after = np.zeros((len(masks), k), bool)
-        for i in range(k):
-            prev = before[:, i - 1] if i else np.zeros(len(masks), bool)
-            before[:, i] = bits[:, i] & (prev | keeps[i])
-        for i in reversed(range(k)):
-            nxt = after[:, i + 1] if i + 1 < k else np.zeros(len(masks), bool)
-            after[:, i] = bits[:, i] & (nxt | keeps[i])
-        run_keeps = before | after
-        for t, j, start in self._reads:
-            # read from outside its run: the reader recomputed, and the maker not, or an op
-            # between them not (then the reader's run starts after the maker)
-            inside = bits[:, start:j + 1].all(axis=1) if start is not None else np.zeros(len(masks), bool)
-            outside = run_keeps[:, j] & ~inside
-            kept_t[t] = kept_t.get(t, np.zeros(len(masks), bool)) | outside
+        op i of the layer order) its 0 / 1 membership row and :meth:`freed` (R), in numpy.
+        Which tensors each R keeps depends on the dataflow alone (:func:`_kept_masks`,
+        memoised); the bytes are this layer's."""
+        key = (self.order, tuple((t, tuple(k)) for t, k in self._keepers.items()),
+               tuple(self._keeps[op] for op in self.order), tuple(self._reads))
+        bits, members, named = _kept_masks(*key)
         own = np.array([self.own[op] for op in self.order])
-        kept = (~bits) @ own + sum(self.size[t] * v for t, v in kept_t.items())
-        freed = np.where(masks == 0, 0.0, self.total - kept)
-        return bits.astype(float), freed
+        kept = (~bits) @ own + sum(self.size[t] * v for t, v in named)
+        freed = kept.copy()
+        freed[1:] = self.total - kept[1:]
+        freed[0] = 0.0
+        return members, freed
+
+
+_MASKS: dict = {}
+
+
+def _kept_masks(order, keepers, keeps, reads):
+    """(bits, members, ((tensor, kept), ...)) of :meth:`LayerKeep.freed_all` for a layer
+    of the ops ``order``: for every subset R (row m: bit i of m is op i) its boolean and
+    0 / 1 membership rows, and for each named tensor whether R keeps it (``keepers``: the
+    positions of the ops that keep it; ``keeps``: whether each op keeps anything;
+    ``reads``: (tensor, reader position, its maker's position or None)).  Memoised: the
+    profiles of every device type, tp and micro-batch share one dataflow."""
+    key = (order, keepers, keeps, reads)
+    hit = _MASKS.get(key)
+    if hit is not None:
+        return hit
+    k = len(order)
+    masks = np.arange(1 << k)
+    bits = ((masks[:, None] >> np.arange(k)) & 1).astype(bool)
+    kept_t: dict[str, np.ndarray] = {}
+    for t, pos in keepers:
+        kept_t[t] = ~bits[:, list(pos)].all(axis=1)
+    # the run of each recomputed op keeps something (else torch's checkpoint keeps
+    # nothing, its inputs included): an op of the run up to it, or from it on, does
+    before = np.zeros((len(masks), k), bool)
+    after = np.zeros((len(masks), k), bool)
+    for i in range(k):
+        prev = before[:, i - 1] if i else np.zeros(len(masks), bool)
+        before[:, i] = bits[:, i] & (prev | keeps[i])
+    for i in reversed(range(k)):
+        nxt = after[:, i + 1] if i + 1 < k else np.zeros(len(masks), bool)
+        after[:, i] = bits[:, i] & (nxt | keeps[i])
+    run_keeps = before | after
+    for t, j, start in reads:
+        # read from outside its run: the reader recomputed, and the maker not, or an op
+        # between them not (then the reader's run starts after the maker)
+        inside = bits[:, start:j + 1].all(axis=1) if start is not None else np.zeros(len(masks), bool)
+        outside = run_keeps[:, j] & ~inside
+        kept_t[t] = kept_t.get(t, np.zeros(len(masks), bool)) | outside
+    hit = _MASKS[key] = (bits, bits.astype(float), tuple(kept_t.items()))
+    return hit
