@@ -1,8 +1,8 @@
 """Phase 1 ahead of the enumeration, over forked processes.
 
 With ``SearchOptions.jobs`` > 1 (the fork start method) and the cache on, the processes
-the seed planners do not take (they run in one process beside the search) optimise
-pipelines ahead of the enumeration, when there are at least two.
+the seed planners do not hold (they run in one process beside the search until they are
+done) optimise pipelines ahead of the enumeration, when there are at least two.
 
 Phase 1 of a pipeline (:meth:`eth.planner.search.HPPSearch.phase1` at B = Gbs) depends on
 its block vector alone, and it is nearly all of the enumeration's time.  Before the
@@ -55,29 +55,35 @@ class Ahead:
     def __init__(self, search):
         self.search = search
         self.kept: dict = {}          # block vector -> Kept
-        opt = search.opt
-        # the seed planners, when on, have a process of their own beside the search
-        self.jobs = opt.jobs - (1 if opt.seeds and opt.jobs > 1 else 0)
-        self.on = self.jobs > 1 and opt.cache and can_fork()
+        self.beside = None            # the seed planners' process (eth.planner.workers.Forked)
+        self.on = search.opt.jobs > 1 and search.opt.cache and can_fork()
+
+    @property
+    def jobs(self) -> int:
+        """Processes for the next round: ``jobs``, less the one the seed planners hold
+        while they run beside the search."""
+        busy = self.beside is not None and self.beside.running()
+        return self.search.opt.jobs - (1 if busy else 0)
 
     def fill(self, upcoming) -> None:
         """Before the enumeration evaluates the first group of ``upcoming`` (it and the groups
         after it): if phase 1 has not seen one of its pipelines, optimise the unseen
         pipelines of it and the next groups, up to :data:`PER_JOB` per process, in parallel."""
         s = self.search
-        if not self.on:
+        jobs = self.jobs
+        if not self.on or jobs < 2:
             return
         vecs: list = []
         for k, g in enumerate(upcoming):
             if k == 0 and all(self._known(v) for v in g):
                 return
             vecs += [v for v in g if not self._known(v) and v not in vecs]
-            if len(vecs) >= PER_JOB * self.jobs:
+            if len(vecs) >= PER_JOB * jobs:
                 break
         if not vecs:
             return
         before = s.ev.evaluations
-        done = parallel_map(self._one, vecs, self.jobs, portable=_portable)
+        done = parallel_map(self._one, vecs, jobs, portable=_portable)
         s.ev.evaluations = before       # counted when taken
         self.kept.update(zip(vecs, done))
 

@@ -584,7 +584,9 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
     seeds, seeds_s = seed_plans(False) if beside is None else ({}, 0.0)
     left = max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds else options.time_limit
     try:
-        plan, error = HPPSearch(model, cluster, profiles, replace(options, time_limit=left)).run(), None
+        hpp = HPPSearch(model, cluster, profiles, replace(options, time_limit=left))
+        hpp.ahead.beside = beside       # the seeds' process: one fewer for phase 1 ahead while it runs
+        plan, error = hpp.run(), None
     except InfeasibleError as exc:
         plan, error = None, exc
     if beside is not None:

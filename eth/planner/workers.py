@@ -48,6 +48,10 @@ class Forked:
             self._proc.start()
             send.close()
 
+    def running(self) -> bool:
+        """True while the child works (it has not sent its answer, nor died)."""
+        return self._proc is not None and self._proc.is_alive() and not self._recv.poll()
+
     def result(self) -> R:
         if self._proc is None:
             return self._fn()

@@ -53,6 +53,10 @@ def test_a_childs_error_is_raised_and_a_dead_childs_work_redone():
 
     assert parallel_map(dies_in_child, range(6), jobs=2) == [(x, parent) for x in range(6)]
     assert Forked(lambda: os.getpid()).result() != parent
+    slow = Forked(lambda: time.sleep(0.5))
+    assert slow.running()
+    slow.result()
+    assert not slow.running() and not Forked(lambda: 1, enabled=False).running()
     assert Forked(lambda: os.getpid(), enabled=False).result() == parent
 
 
