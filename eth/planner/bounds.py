@@ -130,7 +130,7 @@ FLOOR_CHUNK = 1 << 22
 (32 MiB): thousands of stage groups of a pipeline of many types are done in chunks."""
 
 
-def stage_group_floors(ev, groups, batch: int) -> list[float]:
+def stage_group_floors(ev, groups, batch: int, pure_tp: bool = False) -> list[float]:
     """:func:`stage_group_floor` of each (stages, ranks) of ``groups``.  The groups with the
     same stage count are combined in (group x Mbs, stage, layers) arrays of at most
     ``FLOOR_CHUNK`` floats, so that phase 1's floors of a pipeline's stage groups take a
@@ -139,7 +139,10 @@ def stage_group_floors(ev, groups, batch: int) -> list[float]:
     stage are read (each of S stages holds at least one layer), and only the (group, Mbs)
     rows where one layer fits on every stage (the others are inf in both floors).  A
     stage's row is looked up once per stage position and ranks objects: the stage groups
-    of a pipeline share their per-type placements (:func:`eth.planner.pipeline.stage_ranks`)."""
+    of a pipeline share their per-type placements (:func:`eth.planner.pipeline.stage_ranks`).
+    ``pure_tp``: every stage's tp is its device count (dp 1; HexiScale's stages), when
+    that is a valid tp of the type (:meth:`eth.planner.evaluate.Evaluator.valid_tps`
+    without ranks), else the stage's floor is inf."""
     L = ev.model.num_layers
     out = [math.inf] * len(groups)
     links: dict = {}     # (type, devices, ids of the stage's and its neighbours' ranks) -> tps, links
@@ -153,7 +156,7 @@ def stage_group_floors(ev, groups, batch: int) -> list[float]:
             lkey = (t, n, id(ranks[j]), id(nxt), id(prv))
             tl = links.get(lkey)
             if tl is None:
-                tl = links[lkey] = _stage_links(ev, t, n, ranks[j], nxt, prv)
+                tl = links[lkey] = _stage_links(ev, t, n, ranks[j], nxt, prv, pure_tp)
             key = (t, n, j == 0, j == S - 1, S - j, batch) + tl
             u = index.get(key)
             if u is None:
@@ -250,14 +253,15 @@ def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
     return _stage_row(ev, (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks[j], nxt, prv))
 
 
-def _stage_links(ev, t: str, n: int, ranks, nxt, prv) -> tuple:
-    """(the valid tps of a stage of ``n`` devices of type ``t`` on ``ranks``, their
-    :meth:`eth.cost.model.CostModel.stage_links` towards the stages on ``nxt`` / ``prv``),
-    memoised on the evaluator (not by the whole pipeline's ranks: thousands to hash)."""
-    lkey = ("links", ranks, nxt, prv)
+def _stage_links(ev, t: str, n: int, ranks, nxt, prv, pure_tp: bool = False) -> tuple:
+    """(the valid tps of a stage of ``n`` devices of type ``t`` on ``ranks`` (``pure_tp``:
+    n alone, if valid), their :meth:`eth.cost.model.CostModel.stage_links` towards the
+    stages on ``nxt`` / ``prv``), memoised on the evaluator (not by the whole pipeline's
+    ranks: thousands to hash)."""
+    lkey = ("links", ranks, nxt, prv, pure_tp)
     hit = ev._floors.get(lkey)
     if hit is None:
-        tps = ev.valid_tps(t, n, ranks)
+        tps = ((n,) if n in ev.valid_tps(t, n) else ()) if pure_tp else ev.valid_tps(t, n, ranks)
         hit = ev._floors[lkey] = (tps, tuple(ev.cost.stage_links(t, tp, ranks, nxt, prv) for tp in tps))
     return hit
 

@@ -156,13 +156,13 @@ class Best:
         return out["iteration_ms"]
 
 
-def floor_order(ev: Evaluator, items, stage_ranks, batch: int, prune: bool):
+def floor_order(ev: Evaluator, items, stage_ranks, batch: int, prune: bool, pure_tp: bool = False):
     """``items`` (one per stage group; ``stage_ranks[i]`` = (stages, ranks) of item i) as
     (floor, item) in ascending order of :func:`eth.planner.bounds.stage_group_floors`
-    (ties in the given order); with ``prune`` off every floor is 0 (the given order).  A
-    caller stops at the first floor above its best iteration time: no later group can
-    give a faster plan."""
-    floors = stage_group_floors(ev, stage_ranks, batch) if prune else [0.0] * len(items)
+    (``pure_tp``: of stages whose tp is their device count; ties in the given order);
+    with ``prune`` off every floor is 0 (the given order).  A caller stops at the first
+    floor above its best iteration time: no later group can give a faster plan."""
+    floors = stage_group_floors(ev, stage_ranks, batch, pure_tp) if prune else [0.0] * len(items)
     order = sorted(range(len(items)), key=lambda i: (floors[i], i))
     return [(floors[i], items[i]) for i in order]
 

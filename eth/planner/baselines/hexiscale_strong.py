@@ -29,9 +29,9 @@ selective / full that fits (``BaselineOptions.recompute = "stage"``, default), o
 HPP op-level rule ("op").  Each result becomes the k-pipeline
 plan scored by :meth:`eth.cost.model.CostModel.evaluate`; the fastest feasible plan wins.
 With ``prune`` the stage groups of every k are balanced in one ascending order of their
-floor (:func:`eth.planner.bounds.stage_group_floors` on the first pipeline's ranks: a lower
-bound of its Eq. 1 time over every layer split, tp, Mbs and recompute, so of the Eq. 5
-time and the iteration time of any plan of the group), and the rest are left once a floor
+floor (:func:`eth.planner.bounds.stage_group_floors` on the first pipeline's ranks, every
+stage at tp = its devices: a lower bound of its Eq. 1 time over every layer split, Mbs and
+recompute, so of the Eq. 5 time and the iteration time of any plan of the group), and the rest are left once a floor
 exceeds the best iteration time found: the same best plan.
 """
 from __future__ import annotations
@@ -144,7 +144,8 @@ def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineO
             for g in tp_stage_groups(unit, per, model, ev, options, clock, orders):
                 ranks = assign_ranks(blocks, [list(g.stages)] * k)
                 groups.append((g, ranks, tuple(tuple(r) for r in ranks[0])))
-            ordered = floor_order(ev, groups, [(g.stages, rep) for g, _, rep in groups], lbs, options.prune)
+            ordered = floor_order(ev, groups, [(g.stages, rep) for g, _, rep in groups], lbs, options.prune,
+                                  pure_tp=True)
             work += [(floor, n, i, k, item) for i, (floor, item) in enumerate(ordered)]
         work.sort(key=lambda w: w[:3])
         for floor, _, _, k, (g, ranks, rep) in work:
