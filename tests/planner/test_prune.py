@@ -100,6 +100,36 @@ def test_floor_is_below_every_configuration_of_each_stage_group(memory, batch):
     assert raised > 0                   # the shared Mbs and the fill raised some floors
 
 
+@pytest.mark.parametrize("memory, batch", [((80, 24, 32), 8), ((4, 3, 3), 16)])
+def test_pure_tp_floor_is_below_every_pure_tp_configuration(memory, batch):
+    """stage_group_floors(pure_tp=True), HexiScale-strong's floors: every stage at tp = its
+    devices (dp 1), inf where that is no valid tp; at least the floor over every tp, and
+    below every configuration of the group with those tps (layer splits x Mbs)."""
+    cluster = _cluster(memory)
+    ev = RunEvaluator(CostModel(M4, cluster, profiles_for(M4, cluster)))
+    blocks = make_blocks(cluster, 8)
+    groups = [(g.stages, stage_ranks(ev, blocks, g))
+              for g in stage_groups(blocks.types, blocks.devices(blocks.count), M4.num_layers, 4)]
+    pure = bounds.stage_group_floors(ev, groups, batch, pure_tp=True)
+    every = bounds.stage_group_floors(ev, groups, batch)
+    finite = tight = 0
+    for (stages, ranks), p, e in zip(groups, pure, every):
+        assert p >= e * (1 - 1e-12)
+        if not all(n in ev.valid_tps(t, n) for t, n in stages):
+            assert math.isinf(p)
+            continue
+        best = math.inf
+        for layers in _compositions(M4.num_layers, len(stages)):
+            state = tuple(StageState(t, n, n, nl) for (t, n), nl in zip(stages, layers))
+            for mbs in range(1, batch + 1):
+                if batch % mbs == 0:
+                    best = min(best, ev.evaluate(PipeState(state, mbs), batch, ranks).ms)
+        assert p <= best * (1 + 1e-12), (stages, p, best)
+        finite += best < math.inf
+        tight += p > e * (1 + 1e-9)
+    assert finite and tight          # some groups fit, and fixing tp raised some floors
+
+
 def test_stage_time_floors_are_below_every_recompute_set_that_fits():
     # random stages and recompute sets, memory tight enough that many need recompute
     cluster = _cluster((5, 3, 4))
