@@ -93,6 +93,24 @@ def uniform_plan(model, cluster, order, size: int, tp: int, mbs: int, gbs: int, 
     return Plan(model, cluster, gbs, [PipelinePlan(mbs, gbs, stages)])
 
 
+def _may_fit(cost: CostModel, pipeline: PipelinePlan) -> bool:
+    """False when a stage of ``pipeline`` does not fit in memory, as
+    :meth:`eth.cost.model.CostModel.evaluate` would find (it sums the same stage costs),
+    checked stage by stage from the first (the most micro-batches in flight) before the
+    plan is scored: nearly every point of the sweep overflows.  With ZeRO the plan's exact
+    per-rank state decides, so True."""
+    if cost.setup.zero_stage > 0:
+        return True
+    stages, nmb = pipeline.stages, max(pipeline.lbs // pipeline.mbs, 1)
+    for j, s in enumerate(stages):
+        c = cost.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute, j,
+                            len(stages), nmb, s.ranks, stages[j + 1].ranks if j + 1 < len(stages) else None,
+                            stages[j - 1].ranks if j else None)
+        if not c.fits:
+            return False
+    return True
+
+
 def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
     cost = CostModel(model, cluster, profiles, options.setup)
@@ -118,6 +136,8 @@ def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -
                         continue
                     for _, ops in recompute_modes(model):
                         plan = uniform_plan(model, cluster, order, size, tp, mbs, gbs, ops, ranks)
+                        if not _may_fit(cost, plan.pipelines[0]):
+                            continue        # a stage overflows: more recompute
                         if ar is None:
                             ar = cost.stage_allreduce_ms(plan.pipelines)
                         ms = best.offer(cost, plan, ar)
