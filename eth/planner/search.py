@@ -61,7 +61,7 @@ from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipel
 from eth.planner.polish import Candidate, finer_microbatches, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
 from eth.planner.recompute_runs import RunEvaluator
-from eth.planner.workers import Forked, can_fork
+from eth.planner.seeds import Seeds
 from eth.profiles.db import ProfileDB
 
 
@@ -542,68 +542,31 @@ class HPPSearch:
                 self._patient(vecs)
 
 
-SEED_STRATEGIES = ("metis-strong", "uniform", "hexiscale-strong")
-"""The planners whose plans seed the HPP search (the strong baselines: their plans lie in
-HPP's space; the faithful Metis may use mixed-type stages, which the plan format lacks),
-in the order they run (the slowest last: beside the search it may use what the others
-left of the time limit)."""
-
-
 def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:
     """Run the configured strategy and return a validated, annotated plan.
 
-    For "hpp" with ``options.seeds``, the structured planners of :data:`SEED_STRATEGIES`
-    seed the search and the fastest plan by Eq. 5 is returned.  With ``options.jobs`` > 1
-    they run one after another in a forked process beside the HPP search, each with what
-    is left of the time limit, so a seed scores what its strategy scores alone whenever
-    the seeds before it leave it the time it needs; with one job they run first, each with
-    at most a sixth of the time limit, and the HPP search gets the remaining time.
+    For "hpp" with ``options.seeds``, the structured planners of :data:`eth.planner.seeds.SEED_STRATEGIES`
+    seed the search and the fastest plan by Eq. 5 is returned (:class:`eth.planner.seeds.Seeds`:
+    with ``options.jobs`` > 1 beside the search, which then has the whole time limit;
+    otherwise first, and the search gets what is left).
     """
-    from eth.planner.baselines import plan_baseline
     if options.strategy != "hpp":
+        from eth.planner.baselines import plan_baseline
         return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
     clock = Clock(options.time_limit)
-
-    def seed_plans(beside: bool) -> tuple[dict[str, Plan], float]:
-        start, seeds = Clock(0), {}
-        for name in SEED_STRATEGIES if options.seeds else ():
-            if options.time_limit and beside:
-                limit = max(options.time_limit - clock.elapsed(), 1e-9)
-            else:
-                limit = options.time_limit / 6
-            try:
-                seeds[name] = plan_baseline(name, model, cluster, profiles, options.gbs,
-                                            replace(options, time_limit=limit, progress=False))
-            except InfeasibleError:
-                continue
-        return seeds, start.elapsed()
-
-    # with jobs > 1 the seed planners run in a forked process beside the search, which
-    # then has the whole time limit; otherwise first, and the search gets what is left
-    beside = Forked(lambda: seed_plans(True)) if options.seeds and options.jobs > 1 and can_fork() else None
-    seeds, seeds_s = seed_plans(False) if beside is None else ({}, 0.0)
-    left = max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds else options.time_limit
+    seeds = Seeds(model, cluster, profiles, options, clock)
+    left = (max(options.time_limit - clock.elapsed(), 1e-9) if options.time_limit and seeds.plans
+            else options.time_limit)
     try:
         hpp = HPPSearch(model, cluster, profiles, replace(options, time_limit=left))
-        hpp.ahead.beside = beside       # the seeds' process: one fewer for phase 1 ahead while it runs
+        hpp.ahead.beside = seeds.beside     # the seeds' process: one fewer for phase 1 ahead while it runs
         plan, error = hpp.run(), None
     except InfeasibleError as exc:
         plan, error = None, exc
-    if beside is not None:
-        seeds, seeds_s = beside.result()
-    if plan is None and not seeds:
-        raise error
-    why = str(error) if error is not None else ""
-    if seeds:
-        name, seed = min(seeds.items(), key=lambda kv: kv[1].predicted["iteration_ms"])
-        if plan is None or seed.predicted["iteration_ms"] < plan.predicted["iteration_ms"] * (1 - 1e-9):
-            base = plan.search if plan is not None else {
-                "strategy": "hpp", "search_error": why, "time_limited": "time limit" in why}
-            seed.search = dict(base, seed_won=name, seed_search=seed.search)
-            plan = seed
-        plan.search["seeds_ms"] = {k: round(v.predicted["iteration_ms"], 4) for k, v in seeds.items()}
+    seeds.join()
+    plan = seeds.best_of(plan, error)
     plan.search["options"] = options.switches()
     plan.search["time_s"] = round(clock.elapsed(), 3)
-    plan.search["phase_s"] = dict(plan.search.get("phase_s") or {}, seeds=round(seeds_s, 3))
+    plan.search["phase_s"] = dict(plan.search.get("phase_s") or {}, seeds=round(seeds.seconds, 3))
     plan.training = options.setup
     return plan

@@ -265,7 +265,7 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
                                                                   {"type": "RTX3090", "devices_per_node": 2, "count": 2}], 4)])
 def test_seeds_make_hpp_no_slower_than_the_structured_planners(nodes, gbs):
     from eth.planner.baselines import plan_baseline
-    from eth.planner.search import SEED_STRATEGIES
+    from eth.planner.seeds import SEED_STRATEGIES
     cluster = make_cluster(nodes)
     db = profiles_for(M4, cluster)
     plan = search(M4, cluster, db, SearchOptions(gbs=gbs))
@@ -286,7 +286,7 @@ def test_seeds_beside_the_search_get_what_is_left_of_the_time_limit(tmp_path, mo
     """With jobs > 1 each seed planner runs with the time left of the limit (a seed then
     scores what its strategy scores alone); with one job, a sixth of it each."""
     import eth.planner.baselines as baselines
-    from eth.planner.search import SEED_STRATEGIES
+    from eth.planner.seeds import SEED_STRATEGIES
     real, log = baselines.plan_baseline, tmp_path / "limits.txt"
 
     def recording(name, *args):

@@ -93,8 +93,6 @@ def test_phase_one_ahead_in_children_gives_the_same_search(monkeypatch):
     item in a child, so every result read comes back without its lazy alternatives, which
     the polish then reads); the same plan, groups, patience stop and cost evaluations as
     one process, and the children did work."""
-    import functools
-
     import eth.planner.ahead as ahead_module
     from _planner_data import M6
 
