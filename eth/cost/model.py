@@ -479,13 +479,18 @@ class CostModel(StageFloors, CutStages):
 
     def pipeline_costs(self, pipeline, num_microbatches: int | None = None) -> list[StageCost]:
         """StageCost of every stage of a pipeline (a PipelinePlan or alike)."""
+        return list(self.stage_costs(pipeline, num_microbatches))
+
+    def stage_costs(self, pipeline, num_microbatches: int | None = None):
+        """:meth:`pipeline_costs` one stage at a time, from the first (a caller may stop
+        at the first stage that does not fit)."""
         stages = pipeline.stages
         n_mb = num_microbatches if num_microbatches is not None else max(pipeline.lbs // pipeline.mbs, 1)
-        return [self.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute,
-                                j, len(stages), n_mb, s.ranks,
-                                stages[j + 1].ranks if j + 1 < len(stages) else None,
-                                stages[j - 1].ranks if j > 0 else None, getattr(s, "ops", None))
-                for j, s in enumerate(stages)]
+        for j, s in enumerate(stages):
+            yield self.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute,
+                                  j, len(stages), n_mb, s.ranks,
+                                  stages[j + 1].ranks if j + 1 < len(stages) else None,
+                                  stages[j - 1].ranks if j > 0 else None, getattr(s, "ops", None))
 
     # ------------------------------------------------------------------ all-reduce
     def stage_allreduce_ms(self, pipelines) -> list[list[float]]:

@@ -138,8 +138,9 @@ def stage_group_floors(ev, groups, batch: int, pure_tp: bool = False) -> list[fl
     every (group, Mbs) row is reduced alone).  Only the first L - S + 1 layer counts of a
     stage are read (each of S stages holds at least one layer), and only the (group, Mbs)
     rows where one layer fits on every stage (the others are inf in both floors).  A
-    stage's row is looked up once per stage position and ranks objects: the stage groups
-    of a pipeline share their per-type placements (:func:`eth.planner.pipeline.stage_ranks`).
+    stage's links are looked up once per ranks objects (the stage groups of a pipeline
+    share their per-type placements, :func:`eth.planner.pipeline.stage_ranks`) and its row
+    once per what it reads (:func:`_stage_row`), gathered by one index per chunk.
     ``pure_tp``: every stage's tp is its device count (dp 1; HexiScale's stages), when
     that is a valid tp of the type (:meth:`eth.planner.evaluate.Evaluator.valid_tps`
     without ranks), else the stage's floor is inf."""

@@ -31,7 +31,8 @@ evaluator, clock, phase timer and statistics (:func:`_evaluate`):
 
 A pipeline count is left out when the enumeration already visited that symmetric group in
 the search's own blocks (k divides every block count, k was counted before DP took over
-and before the patience stop cut a pipeline count short, no time limit), and k = 1 (the one-pipeline group is the enumeration's first).  The best
+and before the patience stop cut a pipeline count short, no time limit), and k = 1 (the
+one-pipeline group is the enumeration's first).  The best
 candidate replaces the search's best only if it is predicted faster, so the phase can only
 improve the plan; ``plan.search["symmetric"]`` records the counts tried, each one's
 predicted ms and the count that won (0: none).

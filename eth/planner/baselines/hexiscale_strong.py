@@ -31,8 +31,8 @@ plan scored by :meth:`eth.cost.model.CostModel.evaluate`; the fastest feasible p
 With ``prune`` the stage groups of every k are balanced in one ascending order of their
 floor (:func:`eth.planner.bounds.stage_group_floors` on the first pipeline's ranks, every
 stage at tp = its devices: a lower bound of its Eq. 1 time over every layer split, Mbs and
-recompute, so of the Eq. 5 time and the iteration time of any plan of the group), and the rest are left once a floor
-exceeds the best iteration time found: the same best plan.
+recompute, so of the Eq. 5 time and the iteration time of any plan of the group), and the
+rest are left once a floor exceeds the best iteration time found: the same best plan.
 """
 from __future__ import annotations
 

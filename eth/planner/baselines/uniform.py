@@ -101,14 +101,7 @@ def _may_fit(cost: CostModel, pipeline: PipelinePlan) -> bool:
     per-rank state decides, so True."""
     if cost.setup.zero_stage > 0:
         return True
-    stages, nmb = pipeline.stages, max(pipeline.lbs // pipeline.mbs, 1)
-    for j, s in enumerate(stages):
-        c = cost.stage_cost(s.device_type, s.tp, s.dp, tuple(s.layers), pipeline.mbs, s.recompute, j,
-                            len(stages), nmb, s.ranks, stages[j + 1].ranks if j + 1 < len(stages) else None,
-                            stages[j - 1].ranks if j else None)
-        if not c.fits:
-            return False
-    return True
+    return all(c.fits for c in cost.stage_costs(pipeline))
 
 
 def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
