@@ -14,16 +14,17 @@ enumeration asks for it (:meth:`Ahead.take`), in the order one process would hav
 so every ``jobs`` value visits, skips and stops at the same groups and returns the same
 plan; what the patience stop or skipping leaves unread is dropped.
 
-A result sent back by a child has no lazy alternatives (they would need the child's
-evaluator); when first read they are computed again here (:meth:`Ahead.alternatives`),
-the same ones, and only their own cost evaluations are counted.  A result that a child
-cut at the time limit is dropped (this process, then out of time too, computes its own).
+A result sent back by a child keeps its lazy alternatives without the child's evaluator
+(the stage groups balanced there and the floors of the rest,
+:func:`eth.planner.pipeline.reattach`): when first read they are completed here, the same
+ones, with their own cost evaluations counted here.  A result that a child cut at the
+time limit is dropped (this process, then out of time too, computes its own).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from eth.planner.pipeline import PipelineResult
+from eth.planner.pipeline import PipelineResult, reattach
 from eth.planner.workers import can_fork, parallel_map
 
 PER_JOB = 4
@@ -33,20 +34,11 @@ PER_JOB = 4
 @dataclass
 class Kept:
     """One pipeline's phase 1 done ahead: its result, the cost evaluations it took, and
-    whether the time limit cut it; ``again``: its alternatives must be computed again."""
+    whether the time limit cut it."""
 
     result: PipelineResult | None
     evaluations: int
     cut: bool
-    again: bool = False
-
-
-def _portable(kept: Kept) -> Kept:
-    """What a child sends back: the result without its lazy alternatives."""
-    r = kept.result
-    if r is None or r.pending is None:
-        return kept
-    return Kept(replace(r, pending=None), kept.evaluations, kept.cut, again=True)
 
 
 class Ahead:
@@ -83,7 +75,7 @@ class Ahead:
         if not vecs:
             return
         before = s.ev.evaluations
-        done = parallel_map(self._one, vecs, jobs, portable=_portable)
+        done = parallel_map(self._one, vecs, jobs)
         s.ev.evaluations = before       # counted when taken
         self.kept.update(zip(vecs, done))
 
@@ -102,17 +94,6 @@ class Ahead:
         kept = self.kept.pop(vec, None)
         if kept is None or kept.cut:
             return None
-        if kept.again and kept.result is not None:
-            kept.result = replace(kept.result, pending=lambda: self.alternatives(vec))
-        return kept
-
-    def alternatives(self, vec) -> tuple:
-        """A child's result's alternatives: phase 1 again here, counting only the cost
-        evaluations of the alternatives (the rest was counted with the result)."""
         s = self.search
-        before = s.ev.evaluations
-        again = s.optimise(vec, s.opt.gbs)
-        first = s.ev.evaluations - before
-        alternatives = again.alternatives if again is not None else ()
-        s.ev.evaluations -= first
-        return alternatives
+        reattach(kept.result, s.ev, s.out_of_time, s.phases)
+        return kept

@@ -231,7 +231,11 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
 
 
 class _Groups:
-    """Phase 1 with floor pruning (:func:`optimise_pipeline`'s ``prune``)."""
+    """Phase 1 with floor pruning (:func:`optimise_pipeline`'s ``prune``).  Called, it
+    returns the alternatives (the :attr:`PipelineResult.pending` of its result).  It pickles
+    without the evaluator and the search's callbacks (:meth:`__getstate__`): a result sent
+    from a forked process keeps the stage groups balanced so far and the floors of the
+    rest, and :func:`reattach` lets the alternatives go on from there in the receiver."""
 
     def __init__(self, ev, blocks, vec, batch, groups, budgets, halted, stop, phases):
         self.ev, self.vec, self.batch, self.halted, self.stop, self.phases = ev, vec, batch, halted, stop, phases
@@ -274,12 +278,28 @@ class _Groups:
         if not self.done:
             return None
         self.done.sort(key=lambda x: x[:3])
-        return replace(self.done[0][3], pending=self.alternatives)
+        return replace(self.done[0][3], pending=self)
 
-    def alternatives(self) -> tuple:
+    def __call__(self) -> tuple:
         self.run(1 + MAX_ALTERNATIVES)
         self.done.sort(key=lambda x: x[:3])
         return tuple(r for *_, r in self.done[1:MAX_ALTERNATIVES + 1] if r.feasible)
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, ev=None, halted=None, stop=None, phases=None)
+
+    def attach(self, ev: Evaluator, stop=None, phases=None) -> None:
+        self.ev, self.stop, self.phases = ev, stop, phases
+        self.halted = stop if stop is not None else (lambda: False)
+
+
+def reattach(result: PipelineResult | None, ev: Evaluator, stop=None, phases=None) -> PipelineResult | None:
+    """``result`` as received from another process: alternatives still to be completed go
+    on with ``ev`` and this process's ``stop`` and ``phases`` (the stage groups that phase
+    1 balanced there are not balanced again)."""
+    if result is not None and isinstance(result.pending, _Groups):
+        result.pending.attach(ev, stop, phases)
+    return result
 
 
 def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int,

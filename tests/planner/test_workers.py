@@ -90,9 +90,9 @@ def test_jobs_give_the_same_plans(monkeypatch):
 
 def test_phase_one_ahead_in_children_gives_the_same_search(monkeypatch):
     """Unseeded, jobs 3: the enumeration's phase 1 runs ahead in forked children (every
-    item in a child, so every result read comes back without its lazy alternatives, which
-    the polish then reads); the same plan, groups, patience stop and cost evaluations as
-    one process, and the children did work."""
+    item in a child, so every result read comes back with its lazy alternatives detached
+    from the child's evaluator, and the polish completes them here); the same plan,
+    groups, patience stop and cost evaluations as one process, and the children did work."""
     import eth.planner.ahead as ahead_module
     from _planner_data import M6
 
