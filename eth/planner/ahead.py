@@ -80,7 +80,7 @@ class Ahead:
         self.kept.update(zip(vecs, done))
 
     def _known(self, vec) -> bool:
-        return vec in self.kept or (vec, self.search.opt.gbs) in self.search._cache
+        return vec in self.kept or self.search.seen(vec)
 
     def _one(self, vec) -> Kept:
         s = self.search

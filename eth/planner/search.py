@@ -168,6 +168,10 @@ class HPPSearch:
             self._known[vec] = result.throughput if result is not None else 0.0
         return result
 
+    def seen(self, vec) -> bool:
+        """True if phase 1 at B = Gbs of ``vec`` is in the cache."""
+        return (vec, self.opt.gbs) in self._cache
+
     def optimise(self, vec, batch: int) -> PipelineResult | None:
         """:func:`eth.planner.pipeline.optimise_pipeline` with the search's options.  Pruned
         at every batch: the callers with another batch (the polish, the symmetric phase)
