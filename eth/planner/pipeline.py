@@ -200,7 +200,7 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
     if not groups:
         return None
     if prune and not topk:
-        work = _Groups(ev, blocks, tuple(vec), batch, groups, budgets, halted, stop, phases)
+        work = _Groups(ev, blocks, tuple(vec), batch, groups, budgets, stop, phases)
         work.run(1)
         return work.result()
     starts = []
@@ -237,8 +237,9 @@ class _Groups:
     from a forked process keeps the stage groups balanced so far and the floors of the
     rest, and :func:`reattach` lets the alternatives go on from there in the receiver."""
 
-    def __init__(self, ev, blocks, vec, batch, groups, budgets, halted, stop, phases):
-        self.ev, self.vec, self.batch, self.halted, self.stop, self.phases = ev, vec, batch, halted, stop, phases
+    def __init__(self, ev, blocks, vec, batch, groups, budgets, stop, phases):
+        self.vec, self.batch = vec, batch
+        self.attach(ev, stop, phases)
         ranks = [stage_ranks(ev, blocks, g) for g in groups]
         floors = stage_group_floors(ev, [(g.stages, r) for g, r in zip(groups, ranks)], batch)
         self.todo = [(f, i, g, r, budget) for i, (f, g, r, budget) in enumerate(zip(floors, groups, ranks, budgets))]
@@ -293,13 +294,12 @@ class _Groups:
         self.halted = stop if stop is not None else (lambda: False)
 
 
-def reattach(result: PipelineResult | None, ev: Evaluator, stop=None, phases=None) -> PipelineResult | None:
-    """``result`` as received from another process: alternatives still to be completed go
-    on with ``ev`` and this process's ``stop`` and ``phases`` (the stage groups that phase
-    1 balanced there are not balanced again)."""
+def reattach(result: PipelineResult | None, ev: Evaluator, stop=None, phases=None) -> None:
+    """Make ``result``, as received from another process, complete its alternatives with
+    ``ev`` and this process's ``stop`` and ``phases`` (the stage groups that phase 1
+    balanced there are not balanced again)."""
     if result is not None and isinstance(result.pending, _Groups):
         result.pending.attach(ev, stop, phases)
-    return result
 
 
 def refine_pipeline(ev: Evaluator, result: PipelineResult, lbs: int, budget: int,
