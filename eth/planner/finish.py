@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from eth.planner.polish import Candidate, lightest, polish
-from eth.planner.symmetric import adopt, descend_best, evaluate_count, symmetric_counts
+from eth.planner.symmetric import adopt, descend, descend_best, evaluate_count, may_descend, symmetric_counts
 from eth.planner.workers import parallel_map
 
 
@@ -15,10 +15,12 @@ def finish(search) -> dict:
     adopted in that order where it is faster.  The symmetric groups (one per pipeline
     count, :func:`eth.planner.symmetric.evaluate_count`) and the polished groups read
     nothing the others change but the caches and the best so far, so with ``jobs`` > 1
-    they run spread over forked processes (:func:`eth.planner.workers.parallel_map`);
-    the symmetric descent of the best symmetric groups follows in this process, and all
-    is adopted here in one order: the same plan.  Returns the symmetric record for
-    ``plan.search``."""
+    they run spread over forked processes (:func:`eth.planner.workers.parallel_map`),
+    each symmetric group with its descent when the descent may be chosen whatever the
+    other groups score (:func:`eth.planner.symmetric.may_descend`); the choice of the
+    symmetric groups to descend (:func:`eth.planner.symmetric.descend_best`) follows in
+    this process, and all is adopted here in one order: the same plan.  Returns the
+    symmetric record for ``plan.search``."""
     counts = symmetric_counts(search) if search.opt.symmetric and not search.out_of_time() else []
     work = [("symmetric", k, per) for k, per in counts] + [("polish", c) for c in search.top]
     evaluations = search.ev.evaluations
@@ -30,6 +32,8 @@ def finish(search) -> dict:
         if item[0] == "symmetric":
             with search.phases("symmetric", sticky=True):
                 got = Tried(evaluate_count(search, item[1], item[2]))
+                if may_descend(search, got.candidate):
+                    got.descended = descend(search, item[1], item[2], got.candidate)
         else:
             with search.phases("polish", sticky=True):
                 got = polish(search, item[1], search.opt.polish_budget)
@@ -39,7 +43,7 @@ def finish(search) -> dict:
     search.ev.evaluations = evaluations + sum(d.evaluations for d in done)
     symmetric = {}
     if counts:
-        tried = [(item[1], item[2], d.value.candidate) for item, d in zip(work, done)
+        tried = [(item[1], item[2], d.value.candidate, d.value.descended) for item, d in zip(work, done)
                  if item[0] == "symmetric" and d.value is not None]
         with search.phases("symmetric"):
             symmetric = adopt(search, *descend_best(search, tried))
@@ -53,9 +57,11 @@ def finish(search) -> dict:
 
 @dataclass
 class Tried:
-    """One symmetric pipeline count's candidate (None: no feasible plan), as evaluated."""
+    """One symmetric pipeline count's candidate (None: no feasible plan), as evaluated,
+    and its descent where done beside (:func:`eth.planner.symmetric.descend`)."""
 
     candidate: Candidate | None
+    descended: Candidate | None = None
 
 
 @dataclass
@@ -70,13 +76,14 @@ class Finished:
         """What a worker process sends back: a polished candidate's plan and time (its
         per-pipeline results hold the worker's evaluator; what follows reads neither);
         a symmetric candidate also with its results, without their alternatives (the
-        symmetric descent in this process moves their states)."""
+        symmetric descent in this process moves their states), its descent as a plan."""
         v = done.value
         if isinstance(v, Candidate):
             v = _plan_only(v)
         elif isinstance(v, Tried) and v.candidate is not None:
             c = v.candidate
-            v = Tried(Candidate(c.plan, c.iteration_ms, [replace(r, ready=(), pending=None) for r in c.results]))
+            v = Tried(Candidate(c.plan, c.iteration_ms, [replace(r, ready=(), pending=None) for r in c.results]),
+                      _plan_only(v.descended) if v.descended is not None else None)
         return Finished(v, done.evaluations)
 
 

@@ -188,30 +188,50 @@ def evaluate_count(search, k: int, per) -> Candidate | None:
     return _evaluate(child, vec, k, best_ms) if child.can_hold(vec) else None
 
 
+def may_descend(search, cand: Candidate | None) -> bool:
+    """Whether :func:`descend_best` may descend ``cand`` whatever the other counts' candidates
+    are: it is within ``refine_margin`` of the search's best plan (the bar that
+    :func:`descend_best` lowers to its best candidate's time when that is faster).  The
+    finish descends such a candidate as soon as it is evaluated (:func:`descend`), beside
+    the other counts and the polish, and :func:`descend_best` reads the result."""
+    if cand is None or search.out_of_time():
+        return False
+    return search.best is None or cand.iteration_ms <= search.best.iteration_ms * (1 + search.opt.refine_margin)
+
+
+def descend(search, k: int, per, cand: Candidate) -> Candidate:
+    """The symmetric descent (:func:`_descend`) of the group of k pipelines of ``per``
+    devices per type, then its free-Mbs allocation: the faster of that and ``cand``."""
+    child = _sibling(search, _blocks(search, k, per))
+    better = _descend(child, cand, DESCENT_BUDGET * search.opt.polish_budget)
+    final = None if search.out_of_time() else variant_allocation(child, better.results)
+    if final is not None and final.iteration_ms < better.iteration_ms:
+        better = final
+    return better if better.iteration_ms < cand.iteration_ms else cand
+
+
 def descend_best(search, tried) -> tuple[dict, list[tuple[int, Candidate]]]:
     """The symmetric descent of the ``polish_top`` best of ``tried`` ((k, devices per
-    type, :func:`evaluate_count`'s candidate), ascending k) within ``refine_margin`` of the
-    best plan so far: the record for ``plan.search["symmetric"]`` (the pipeline counts
-    tried, the predicted ms of each after the descent where descended, null: no feasible
-    plan) and the (k, candidate) found, for :func:`adopt`."""
-    record = {"pipelines": [k for k, _, _ in tried],
-              "ms": {str(k): round(c.iteration_ms, 4) if c is not None else None for k, _, c in tried}}
-    found = sorted(((k, per, c) for k, per, c in tried if c is not None), key=lambda x: x[2].iteration_ms)
+    type, :func:`evaluate_count`'s candidate, its :func:`descend` result or None when not
+    done yet), ascending k) within ``refine_margin`` of the best plan so far: the record
+    for ``plan.search["symmetric"]`` (the pipeline counts tried, the predicted ms of each
+    after the descent where descended, null: no feasible plan) and the (k, candidate)
+    found, for :func:`adopt`."""
+    record = {"pipelines": [k for k, _, _, _ in tried],
+              "ms": {str(k): round(c.iteration_ms, 4) if c is not None else None for k, _, c, _ in tried}}
+    found = sorted(((k, per, c, d) for k, per, c, d in tried if c is not None), key=lambda x: x[2].iteration_ms)
     bar = min([search.best.iteration_ms] if search.best is not None else [], default=math.inf)
     if found:
         bar = min(bar, found[0][2].iteration_ms) * (1 + search.opt.refine_margin)
-    for i, (k, per, cand) in enumerate(found):
+    out = [(k, cand) for k, _, cand, _ in found]
+    for i, (k, per, cand, done) in enumerate(found):
         if i >= search.opt.polish_top or cand.iteration_ms > bar or search.out_of_time():
             break
-        child = _sibling(search, _blocks(search, k, per))
-        better = _descend(child, cand, DESCENT_BUDGET * search.opt.polish_budget)
-        final = None if search.out_of_time() else variant_allocation(child, better.results)
-        if final is not None and final.iteration_ms < better.iteration_ms:
-            better = final
+        better = done if done is not None else descend(search, k, per, cand)
         if better.iteration_ms < cand.iteration_ms:
-            found[i] = (k, per, better)
+            out[i] = (k, better)
             record["ms"][str(k)] = round(better.iteration_ms, 4)
-    return record, [(k, cand) for k, _, cand in found]
+    return record, out
 
 
 def adopt(search, record: dict, found: list[tuple[int, Candidate]]) -> dict:
