@@ -21,6 +21,7 @@ space) finishes are compared with it too.
     python bench/search_scaling.py --quick    # smaller: limits of 20 s, no 128-device row
     python bench/search_scaling.py --many-types [--before REV] [--rows 0,1] [--many-limit S] [--max-blocks N]
     python bench/search_scaling.py --curve [--many-limit S] [--png docs/planner_scaling.png]
+    python bench/search_scaling.py --gc [--rows 0,1] [--repeat 3]
 
 Many device types (``--many-types``, also the last section of a full run): the clusters
 of :data:`MANY_TYPES` (examples/clusters/mixed3-96, mixed4-256, mixed4-1024 and
@@ -135,6 +136,11 @@ def many_types_child(problem: dict, limit: float, max_blocks: int | None = None)
     from eth.spec.cluster import Cluster, load_cluster
     from eth.spec.model import get_model
     mix = problem["cluster"]
+    if problem.get("full_gc"):        # CPython's full collections during the search, as without young_only
+        import gc
+
+        import eth.planner.collector
+        eth.planner.collector.NO_FULL = gc.get_threshold()[2]
     if isinstance(mix, str):
         cluster = load_cluster(ROOT / "examples" / "clusters" / f"{mix}.yaml")
     else:
@@ -143,7 +149,7 @@ def many_types_child(problem: dict, limit: float, max_blocks: int | None = None)
                                                for t, n in mix.items()]})
     model, db, gbs = get_model(problem["model"]), ProfileDB(), problem["gbs"]
     db.ensure(model, cluster.types.values())
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         extra = {} if max_blocks is None else {"max_blocks": max_blocks}
         plan = search(model, cluster, db, SearchOptions(gbs=gbs, time_limit=limit,
@@ -152,8 +158,10 @@ def many_types_child(problem: dict, limit: float, max_blocks: int | None = None)
     except InfeasibleError:
         ms, limited = float("nan"), True
     wall = time.perf_counter() - start
-    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return {"time_s": wall, "iter_ms": ms, "limited": limited, "rss_gb": peak / 2**20}
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    peak = max(u.ru_maxrss for u in usage)
+    return {"time_s": wall, "iter_ms": ms, "limited": limited, "rss_gb": peak / 2**20,
+            "cpu_s": time.process_time() - cpu + usage[1].ru_utime + usage[1].ru_stime}
 
 
 def many_types_run(problem: dict, root: Path, limit: float, max_blocks: int | None = None) -> dict:
@@ -255,6 +263,35 @@ def many_types(before: str | None, before_limit: float, rows=None, limit: float 
                 subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
 
 
+def collector(rows=None, repeat: int = 3) -> None:
+    """The many-type rows searched with CPython's full garbage collections during the
+    search ("full gc", as without :func:`eth.planner.collector.young_only`) and as the
+    planner runs (young generations only), alternately, ``repeat`` times each: the
+    medians of wall time, CPU time (the search process and its forked workers) and peak
+    RSS, and whether every run found a plan of the same iteration time."""
+    import statistics
+    print("\n# garbage collector during the search: CPython's full collections vs young generations only "
+          f"(median of {repeat} alternating runs, default --jobs)")
+    print(f"{'case':<26} {'full gc s':>9} {'cpu s':>6} {'peak GB':>8} | {'young s':>8} {'cpu s':>6} "
+          f"{'peak GB':>8} | {'wall x':>6} {'cpu x':>6} {'same plan':>9}")
+    for i, (label, mix, model, gbs, _, _) in enumerate(MANY_TYPES):
+        if rows is not None and i not in rows:
+            continue
+        runs: dict = {True: [], False: []}
+        for _ in range(repeat):
+            for full in (True, False):
+                runs[full].append(many_types_run({"cluster": mix, "model": model, "gbs": gbs, "full_gc": full},
+                                                 ROOT, 0.0))
+        med = {full: {k: statistics.median(r[k] for r in rs) for k in ("time_s", "cpu_s", "rss_gb")}
+               for full, rs in runs.items()}
+        same = len({r["iter_ms"] for rs in runs.values() for r in rs}) == 1
+        f, y = med[True], med[False]
+        print(f"{label:<26} {f['time_s']:>9.2f} {f['cpu_s']:>6.2f} {f['rss_gb']:>8.2f} | {y['time_s']:>8.2f} "
+              f"{y['cpu_s']:>6.2f} {y['rss_gb']:>8.2f} | {f['time_s'] / y['time_s']:>6.2f} "
+              f"{f['cpu_s'] / y['cpu_s']:>6.2f} {'yes' if same else 'NO':>9}")
+        sys.stdout.flush()
+
+
 def context() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -301,6 +338,10 @@ def main(argv=None) -> int:
                    help="only the scaling curve: search time vs devices (4 types) and vs types (16 devices "
                         "each), GPT-3 13B, gbs 1024, limited to --many-limit s (default 300); writes --png")
     p.add_argument("--png", default=str(ROOT / "docs" / "planner_scaling.png"), help="where --curve draws")
+    p.add_argument("--gc", action="store_true",
+                   help="only the many-type rows (--rows) with CPython's full garbage collections during the "
+                        "search vs young generations only, alternately --repeat times each")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each variant with --gc")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -314,6 +355,10 @@ def main(argv=None) -> int:
         scaling_curve(Path(args.png), args.many_limit or 300.0, args.max_blocks)
         return 0
     rows = None if not args.rows else {int(x) for x in args.rows.split(",")}
+    if args.gc:
+        print(context())
+        collector(rows, args.repeat)
+        return 0
     if args.many_types:
         print(context())
         many_types(args.before, args.before_limit, rows, args.many_limit, args.max_blocks)

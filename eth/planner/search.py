@@ -50,6 +50,7 @@ from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.ahead import Ahead
 from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
+from eth.planner.collector import young_only
 from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
                                    pipeline_can_hold, plan_tp_in_nodes)
@@ -552,8 +553,14 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
     For "hpp" with ``options.seeds``, the structured planners of :data:`eth.planner.seeds.SEED_STRATEGIES`
     seed the search and the fastest plan by Eq. 5 is returned (:class:`eth.planner.seeds.Seeds`:
     with ``options.jobs`` > 1 beside the search, which then has the whole time limit;
-    otherwise first, and the search gets what is left).
+    otherwise first, and the search gets what is left).  The garbage collector's full
+    collections wait until it returns (:func:`eth.planner.collector.young_only`).
     """
+    with young_only():
+        return _search(model, cluster, profiles, options)
+
+
+def _search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions) -> Plan:
     if options.strategy != "hpp":
         from eth.planner.baselines import plan_baseline
         return plan_baseline(options.strategy, model, cluster, profiles, options.gbs, options)
