@@ -154,6 +154,7 @@ class Evaluator:
         self._tps: dict = {}
         self.ranks_memo: dict = {}
         self._floors: dict = {}    # eth.planner.bounds.stage_group_floor's per-stage rows
+        self._entries: dict = {}   # _stage_entry's results by the stage, its links and All-Reduce bandwidth
         self.evaluations = 0
 
     def valid_tps(self, device_type: str, ndev: int, ranks=None) -> tuple[int, ...]:
@@ -329,7 +330,11 @@ class Evaluator:
         """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms).
 
         ``memo``: the per-ranks dictionary of :meth:`evaluate`, which also keeps stage j's
-        links by (type, tp) and its own All-Reduce by (stage, first / last layer held)."""
+        links by (type, tp) and the bandwidth of its own All-Reduce.  The entry depends on
+        the ranks only through those two, so it is also kept by them and the stage's
+        fields (:attr:`_entries`): a stage group's stages met on other ranks objects with
+        the same links (other stage groups of the pipeline, other pipelines) are found
+        there."""
         nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
         lkey = ("links", j, st.device_type, st.tp)
         links = memo.get(lkey) if memo is not None else None
@@ -337,16 +342,22 @@ class Evaluator:
             links = self.cost.stage_links(st.device_type, st.tp, ranks[j], nxt, prv)
             if memo is not None:
                 memo[lkey] = links
-        c, rec, over = self.fit_stage(st, rng, mbs, j, S, nmb, ranks[j], nxt, prv, links)
-        ar = None
+        gbps = None
         if st.ndev > st.tp:
-            akey = ("ar", j, st, rng[0] == 0, rng[1] == self.model.num_layers)
-            ar = memo.get(akey) if memo is not None else None
-            if ar is None:
-                ar = self.own_allreduce_ms(st, rng, ranks[j])
+            gbps = memo.get(("gbps", j)) if memo is not None else None
+            if gbps is None:
+                gbps = self._ar_gbps(st, ranks[j])
                 if memo is not None:
-                    memo[akey] = ar
-        return c, rec, over, ar, c.total_ms
+                    memo[("gbps", j)] = gbps
+        first, last = rng[0] == 0, rng[1] == self.model.num_layers
+        ekey = (st.device_type, st.ndev, st.tp, st.layers, first, last, mbs, S - j if S - j < nmb else nmb,
+                gbps) + links
+        hit = self._entries.get(ekey)
+        if hit is None:
+            c, rec, over = self.fit_stage(st, rng, mbs, j, S, nmb, ranks[j], nxt, prv, links)
+            ar = self._allreduce_at(st, first, last, gbps) if gbps is not None else None
+            hit = self._entries[ekey] = (c, rec, over, ar, c.total_ms)
+        return hit
 
     def _evaluate_plain(self, state: PipeState, batch: int, ranks) -> Evaluation:
         """:meth:`evaluate` without the per-stage memo (``memo`` off)."""
@@ -382,18 +393,26 @@ class Evaluator:
 
     def own_allreduce_ms(self, st: StageState, layers: tuple[int, int], ranks) -> float:
         """Eq. 6 for a stage's gradients over its own dp replicas (as CostModel does per block)."""
-        L = self.model.num_layers
-        key = ("ar", st, layers[0] == 0, layers[1] == L, tuple(ranks) if ranks else None)
+        return self._allreduce_at(st, layers[0] == 0, layers[1] == self.model.num_layers, self._ar_gbps(st, ranks))
+
+    def _ar_gbps(self, st: StageState, ranks) -> float:
+        """The link of a stage's own All-Reduce: the slowest among its ``ranks`` (without
+        ranks: the intra-node link)."""
+        return (self.cost.cluster.link_gbps(list(ranks)) if ranks else
+                self.cost.cluster.intra_node_gbps or self.cost.cluster.types[st.device_type].link_gbps)
+
+    def _allreduce_at(self, st: StageState, first: bool, last: bool, gbps: float) -> float:
+        """:meth:`own_allreduce_ms` of a stage holding the embedding (``first``) and the
+        head (``last``) or not, over a link of ``gbps``."""
+        key = ("ar", st, first, last, gbps)
         hit = self._fit.get(key)
         if hit is None:
             m = self.model
             params = st.layers * m.params_per_layer()
-            if layers[0] == 0:
+            if first:
                 params += m.vocab * m.hidden + m.seq_len * m.hidden
-            if layers[1] == L:
+            if last:
                 params += m.vocab * m.hidden + 2 * m.hidden
-            gbps = (self.cost.cluster.link_gbps(list(ranks)) if ranks else
-                    self.cost.cluster.intra_node_gbps or self.cost.cluster.types[st.device_type].link_gbps)
             hit = self._fit[key] = eq6_allreduce_ms(params / st.tp * self.cost.grad_bytes, st.dp, gbps)
         return hit
 
