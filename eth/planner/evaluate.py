@@ -393,7 +393,12 @@ class Evaluator:
 
     def own_allreduce_ms(self, st: StageState, layers: tuple[int, int], ranks) -> float:
         """Eq. 6 for a stage's gradients over its own dp replicas (as CostModel does per block)."""
-        return self._allreduce_at(st, layers[0] == 0, layers[1] == self.model.num_layers, self._ar_gbps(st, ranks))
+        first, last = layers[0] == 0, layers[1] == self.model.num_layers
+        key = ("own ar", st, first, last, tuple(ranks) if ranks else None)
+        hit = self._fit.get(key)
+        if hit is None:
+            hit = self._fit[key] = self._allreduce_at(st, first, last, self._ar_gbps(st, ranks))
+        return hit
 
     def _ar_gbps(self, st: StageState, ranks) -> float:
         """The link of a stage's own All-Reduce: the slowest among its ``ranks`` (without
