@@ -57,16 +57,17 @@ def split_layers(num_layers: int, weights: list[float]) -> list[int]:
 def resplit(ev: Evaluator, state: PipeState) -> PipeState:
     """Layers inversely proportional to each stage's per-layer time at its tp/dp/mbs."""
     key = None
-    if getattr(ev, "memo", False):
+    if getattr(ev, "memo", False):      # the re-split state itself (immutable) by what it reads
         key = (state.mbs,) + tuple((s.device_type, s.ndev, s.tp) for s in state.stages)
-        counts = ev._splits.get(key)
-        if counts is not None:
-            return pipe_state(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
+        hit = ev._splits.get(key)
+        if hit is not None:
+            return hit
     speeds = [1.0 / ev.layer_ms(s, state.mbs) for s in state.stages]
     counts = split_layers(ev.model.num_layers, speeds)
+    out = pipe_state(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
     if key is not None:
-        ev._splits[key] = counts
-    return pipe_state(tuple(s.with_layers(c) for s, c in zip(state.stages, counts)), state.mbs)
+        ev._splits[key] = out
+    return out
 
 
 def _lcm(values) -> int:
