@@ -345,6 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.child is not None:
         import json
         sys.path.insert(0, args.root)     # the planner of that checkout
