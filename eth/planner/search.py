@@ -402,8 +402,10 @@ class HPPSearch:
                 if self._patience_out():
                     self.stats.patience_at = p if visited < n else p + 1
                     break
+            self.ahead.close()
             symmetric = finish(self)
         finally:
+            self.ahead.close()
             bar.close()
             root.__exit__()
         self.stats.cost_evaluations = self.ev.evaluations

@@ -93,23 +93,62 @@ def test_jobs_give_the_same_plans(monkeypatch):
 
 
 def test_phase_one_ahead_in_children_gives_the_same_search(monkeypatch):
-    """Unseeded, jobs 3: the enumeration's phase 1 runs ahead in forked children (every
-    item in a child, so every result read comes back with its lazy alternatives detached
-    from the child's evaluator, and the polish completes them here); the same plan,
-    groups, patience stop and cost evaluations as one process, and the children did work."""
+    """Unseeded, jobs 3: the enumeration's phase 1 runs ahead in forked workers, and this
+    process waits for them (every result read comes back with its lazy alternatives
+    detached from the worker's evaluator, and the polish completes them here); the same
+    plan, groups, patience stop and cost evaluations as one process, and the workers did
+    the work."""
     import eth.planner.ahead as ahead_module
     from _planner_data import M6
 
-    calls = []
-
-    def children_only(fn, items, jobs, **kw):
-        calls.append(len(items))
-        return parallel_map(fn, items, jobs, share=False, **kw)
-    monkeypatch.setattr(ahead_module, "parallel_map", children_only)
+    taken = _count_taken(monkeypatch, ahead_module)
+    monkeypatch.setattr(ahead_module.Ahead, "share", False)
     three = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100", "RTX3090")])
     db = profiles_for(M6, three)
     one, many = (search(M6, three, db, SearchOptions(gbs=32, seeds=False, patience=4, jobs=jobs)) for jobs in (1, 3))
-    assert calls and sum(calls) >= 8
+    assert len(taken) >= 8
     assert one.to_dict()["pipelines"] == many.to_dict()["pipelines"]
     for key in ("candidates", "cost_evaluations", "patience_stop", "symmetric"):
         assert one.search[key] == many.search[key], key
+
+
+def test_dead_workers_leave_their_pipelines_to_the_search(monkeypatch):
+    """Every phase-1 worker dies on the first pipeline it takes: the search optimises them
+    itself and returns what one process does."""
+    import eth.planner.ahead as ahead_module
+    from _planner_data import M6
+
+    parent, runs = os.getpid(), []
+    optimise = ahead_module.Ahead.optimise
+
+    def dies_in_a_worker(self, vec):
+        if os.getpid() != parent:
+            os._exit(3)
+        return optimise(self, vec)
+    monkeypatch.setattr(ahead_module.Ahead, "optimise", dies_in_a_worker)
+    start = ahead_module._Run.__init__
+    monkeypatch.setattr(ahead_module._Run, "__init__", lambda self, *a: runs.append(a[1]) or start(self, *a))
+    monkeypatch.setattr(ahead_module.Ahead, "share", False)
+    taken = _count_taken(monkeypatch, ahead_module)
+    three = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100", "RTX3090")])
+    db = profiles_for(M6, three)
+    one, many = (search(M6, three, db, SearchOptions(gbs=32, seeds=False, patience=4, jobs=jobs)) for jobs in (1, 2))
+    assert runs and taken == []
+    assert one.to_dict()["pipelines"] == many.to_dict()["pipelines"]
+    for key in ("candidates", "cost_evaluations", "patience_stop"):
+        assert one.search[key] == many.search[key], key
+
+
+def _count_taken(monkeypatch, ahead_module) -> list:
+    """The block vectors whose phase 1 the enumeration reads from the work done ahead, as
+    it reads them."""
+    taken = []
+    take = ahead_module.Ahead.take
+
+    def counted(self, vec):
+        kept = take(self, vec)
+        if kept is not None:
+            taken.append(vec)
+        return kept
+    monkeypatch.setattr(ahead_module.Ahead, "take", counted)
+    return taken
