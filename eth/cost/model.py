@@ -101,6 +101,8 @@ class CostModel(StageFloors, CutStages):
     _cache: dict = field(default_factory=dict, repr=False)
     _links: dict = field(default_factory=dict, repr=False)
     """Slowest link (Gbit/s) of a rank tuple: tp groups and p2p pairs, memoised."""
+    _keeps: dict = field(default_factory=dict, repr=False)
+    """:meth:`layer_keep` by the identity of its op-cost dictionary (id -> (ops, keep))."""
 
     @property
     def bytes_per_param(self) -> float:
@@ -371,11 +373,17 @@ class CostModel(StageFloors, CutStages):
 
     def layer_keep(self, ops) -> LayerKeep:
         """The :class:`eth.cost.activations.LayerKeep` of ``ops`` (a profile's op costs of
-        this model), memoised by the layer ops' costs."""
+        this model), memoised by the layer ops' costs, and first by the dictionary itself
+        (the profiles keep one per shape: hashing a dozen op-cost dataclasses on every
+        recompute fit cost a tenth of the fits)."""
+        mine = self._keeps.get(id(ops))
+        if mine is not None and mine[0] is ops:
+            return mine[1]
         key = ("keep",) + tuple(ops[op] for op in layer_ops(self.model))
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = LayerKeep(layer_dataflow(self.model), ops)
+        self._keeps[id(ops)] = (ops, hit)
         return hit
 
     def _part_keep(self, ops, held) -> LayerKeep:
