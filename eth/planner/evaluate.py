@@ -301,6 +301,7 @@ class Evaluator:
             memo = self._stages[id(ranks)] = (ranks, {})
         memo = memo[1]
         hits, start, overflow, L = [], 0, 0.0, self.model.num_layers
+        total, top, shared = 0, 0.0, False
         get = memo.get
         for j, st in enumerate(stages):
             # len(ranks) == S; the position enters through j, the first/last flags and
@@ -313,16 +314,24 @@ class Evaluator:
                 hit = memo[key] = self._stage_entry(st, (start, start + n), mbs, j, S, nmb, ranks, memo)
             hits.append(hit)
             overflow += hit[2]
+            t = hit[4]
+            total += t          # in stage order from 0, as sum() adds
+            if t > top:
+                top = t
+            if hit[3] is not None:
+                shared = True
             start += n
-        costs, recs, _, ars, totals = zip(*hits)
+        costs = tuple([h[0] for h in hits])
+        recs = tuple([h[1] for h in hits])
         if overflow:
             return _evaluation(math.inf, overflow, costs, recs)
-        ms = sum(totals) + max(totals) * (batch / mbs - 1)   # eq1_pipeline_ms
+        ms = total + top * (batch / mbs - 1)   # eq1_pipeline_ms
         extra, head_bwd = 0.0, 0.0
-        for c, ar in zip(costs, ars):
-            if ar is not None:
-                extra = max(extra, ar - head_bwd)
-            head_bwd += c.bwd_ms
+        if shared:          # some stage has dp > 1: its own All-Reduce after the stages before it
+            for c, _, _, ar, _ in hits:
+                if ar is not None:
+                    extra = max(extra, ar - head_bwd)
+                head_bwd += c.bwd_ms
         return _evaluation(ms + extra, overflow, costs, recs)
 
     def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks,
