@@ -36,6 +36,7 @@ from eth.spec.plan import Plan
 from eth.planner.allocate import alloc_key, allocate_with_variants, pipeline_line
 from eth.planner.balance import joint_moves
 from eth.planner.enumerate import StageGroup, plan_tp_in_nodes
+from eth.planner.evaluate import pipe_state
 from eth.planner.pipeline import PipelineResult, stage_ranks
 
 
@@ -138,32 +139,32 @@ def pipeline_moves(ev, r: PipelineResult):
     and one layer moved between neighbours."""
     stages = list(r.state.stages)
     mbs = r.state.mbs
-    yield replace(r.state, mbs=mbs * 2)
+    yield pipe_state(r.state.stages, mbs * 2)
     if mbs % 2 == 0 and all((mbs // 2) % st.dp == 0 for st in stages):
-        yield replace(r.state, mbs=mbs // 2)
+        yield pipe_state(r.state.stages, mbs // 2)
     for j, st in enumerate(stages):
         for tp in (st.tp * 2, st.tp // 2):
             if tp in ev.valid_tps(st.device_type, st.ndev, r.ranks[j]):
                 new = list(stages)
-                new[j] = replace(st, tp=tp)
-                yield replace(r.state, stages=tuple(new), mbs=math.lcm(mbs, st.ndev // tp))
+                new[j] = st.with_tp(tp)
+                yield pipe_state(tuple(new), math.lcm(mbs, st.ndev // tp))
                 if tp > st.tp and mbs % 2 == 0 and all((mbs // 2) % s.dp == 0 for s in new):
-                    yield replace(r.state, stages=tuple(new), mbs=mbs // 2)
+                    yield pipe_state(tuple(new), mbs // 2)
         if j + 1 < len(stages):
             for src, dst in ((j, j + 1), (j + 1, j)):
                 if stages[src].layers > 1:
                     new = list(stages)
-                    new[src] = replace(stages[src], layers=stages[src].layers - 1)
-                    new[dst] = replace(stages[dst], layers=stages[dst].layers + 1)
-                    yield replace(r.state, stages=tuple(new))
+                    new[src] = stages[src].with_layers(stages[src].layers - 1)
+                    new[dst] = stages[dst].with_layers(stages[dst].layers + 1)
+                    yield pipe_state(tuple(new), mbs)
     if len(stages) > 1:
         for up in (True, False):
-            new = [replace(st, tp=st.tp * 2 if up else st.tp // 2) for st in stages]
+            new = [st.with_tp(st.tp * 2 if up else st.tp // 2) for st in stages]
             if all(s.tp in ev.valid_tps(s.device_type, s.ndev, rk) for s, rk in zip(new, r.ranks)):
                 base = math.lcm(*[s.dp for s in new])
                 for m in sorted({mbs // 2 if up else mbs, base}):
                     if m >= 1 and m % base == 0:
-                        yield replace(r.state, stages=tuple(new), mbs=m)
+                        yield pipe_state(tuple(new), m)
 
 
 def reversed_pipeline(search, r: PipelineResult, lbs: int) -> PipelineResult | None:

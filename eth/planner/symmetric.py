@@ -40,9 +40,9 @@ predicted ms and the count that won (0: none).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from eth.planner.enumerate import Blocks, make_blocks
+from eth.planner.evaluate import pipe_state
 from eth.planner.pipeline import PipelineResult
 from eth.planner.polish import (Candidate, better_trial, finer_microbatches, lightest,
                                 pipeline_moves, variant_allocation)
@@ -136,9 +136,9 @@ def layer_moves(r: PipelineResult):
             for b in range(len(stages)):
                 if abs(b - a) > 1:
                     new = list(stages)
-                    new[a] = replace(stages[a], layers=stages[a].layers - 1)
-                    new[b] = replace(stages[b], layers=stages[b].layers + 1)
-                    yield replace(r.state, stages=tuple(new))
+                    new[a] = stages[a].with_layers(stages[a].layers - 1)
+                    new[b] = stages[b].with_layers(stages[b].layers + 1)
+                    yield pipe_state(tuple(new), r.state.mbs)
 
 
 def _descend(search, cand: Candidate, budget: int) -> Candidate:

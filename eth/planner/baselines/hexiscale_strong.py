@@ -37,7 +37,6 @@ rest are left once a floor exceeds the best iteration time found: the same best 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from eth.cost.equations import eq5_end_times, eq6_allreduce_ms
 from eth.cost.model import CostModel
@@ -48,7 +47,7 @@ from eth.planner.baselines.common import (Best, BaselineOptions, finish, floor_o
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts, tp_stage_groups
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
-from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState
+from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState, pipe_state
 from eth.planner.pipeline import promising_orders
 
 
@@ -100,13 +99,13 @@ def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep,
                     for b in range(len(state.stages)):
                         if b != a:
                             new = list(state.stages)
-                            new[a] = replace(new[a], layers=new[a].layers - 1)
-                            new[b] = replace(new[b], layers=new[b].layers + 1)
-                            cands.append(PipeState(tuple(new), state.mbs))
+                            new[a] = new[a].with_layers(new[a].layers - 1)
+                            new[b] = new[b].with_layers(new[b].layers + 1)
+                            cands.append(pipe_state(tuple(new), state.mbs))
             i = mbs_options.index(state.mbs)
             for nb in (i - 1, i + 1):
                 if 0 <= nb < len(mbs_options):
-                    cands.append(replace(state, mbs=mbs_options[nb]))
+                    cands.append(pipe_state(state.stages, mbs_options[nb]))
             scored = [(cost(c), c) for c in cands]
             if not scored:
                 break
