@@ -19,8 +19,9 @@ def finish(search) -> dict:
     each symmetric group with its descent when the descent may be chosen whatever the
     other groups score (:func:`eth.planner.symmetric.may_descend`); the choice of the
     symmetric groups to descend (:func:`eth.planner.symmetric.descend_best`) follows in
-    this process, and all is adopted here in one order: the same plan.  Returns the
-    symmetric record for ``plan.search``."""
+    this process, and all is adopted here in one order: the same plan.  The pieces start
+    largest first (devices per pipeline), so that the processes end close together.
+    Returns the symmetric record for ``plan.search``."""
     counts = symmetric_counts(search) if search.opt.symmetric and not search.out_of_time() else []
     work = [("symmetric", k, per) for k, per in counts] + [("polish", c) for c in search.top]
     evaluations = search.ev.evaluations
@@ -39,7 +40,12 @@ def finish(search) -> dict:
                 got = polish(search, item[1], search.opt.polish_budget)
         return Finished(got, search.ev.evaluations - before)
 
-    done = parallel_map(run, work, search.opt.jobs, portable=Finished.portable)
+    # the largest pieces first (devices per pipeline), so that the last to start are small
+    order = sorted(range(len(work)), key=lambda i: -_devices_per_pipeline(search, work[i]))
+    done = [None] * len(work)
+    for i, d in zip(order, parallel_map(run, [work[i] for i in order], search.opt.jobs,
+                                        portable=Finished.portable)):
+        done[i] = d
     search.ev.evaluations = evaluations + sum(d.evaluations for d in done)
     symmetric = {}
     if counts:
@@ -53,6 +59,14 @@ def finish(search) -> dict:
             if better.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
                 search.best = better
     return symmetric
+
+
+def _devices_per_pipeline(search, item) -> int:
+    """The devices of the largest pipeline of a piece of :func:`finish`: a symmetric
+    group's (the world over the pipeline count) or a polished group's."""
+    if item[0] == "symmetric":
+        return search.cluster.world_size // item[1]
+    return max(sum(st.tp * st.dp for st in p.stages) for p in item[1].plan.pipelines)
 
 
 @dataclass
