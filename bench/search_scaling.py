@@ -136,11 +136,9 @@ def many_types_child(problem: dict, limit: float, max_blocks: int | None = None)
     from eth.spec.cluster import Cluster, load_cluster
     from eth.spec.model import get_model
     mix = problem["cluster"]
-    if problem.get("full_gc"):        # CPython's full collections during the search, as without young_only
-        import gc
-
+    if problem.get("gc_on"):          # CPython's collector during the search, as without collector.paused
         import eth.planner.collector
-        eth.planner.collector.NO_FULL = gc.get_threshold()[2]
+        eth.planner.collector.PAUSE = False
     if isinstance(mix, str):
         cluster = load_cluster(ROOT / "examples" / "clusters" / f"{mix}.yaml")
     else:
@@ -264,26 +262,26 @@ def many_types(before: str | None, before_limit: float, rows=None, limit: float 
 
 
 def collector(rows=None, repeat: int = 3) -> None:
-    """The many-type rows searched with CPython's full garbage collections during the
-    search ("full gc", as without :func:`eth.planner.collector.young_only`) and as the
-    planner runs (young generations only), alternately, ``repeat`` times each: the
-    medians of wall time, CPU time (the search process and its forked workers) and peak
-    RSS, and whether every run found a plan of the same iteration time."""
+    """The many-type rows searched with CPython's garbage collector on during the search
+    ("gc on", as without :func:`eth.planner.collector.paused`) and as the planner runs
+    (paused), alternately, ``repeat`` times each: the medians of wall time, CPU time (the
+    search process and its forked workers) and peak RSS, and whether every run found a
+    plan of the same iteration time."""
     import statistics
-    print("\n# garbage collector during the search: CPython's full collections vs young generations only "
+    print("\n# garbage collector during the search: on (CPython's defaults) vs paused "
           f"(median of {repeat} alternating runs, default --jobs)")
-    print(f"{'case':<26} {'full gc s':>9} {'cpu s':>6} {'peak GB':>8} | {'young s':>8} {'cpu s':>6} "
+    print(f"{'case':<26} {'gc on s':>9} {'cpu s':>6} {'peak GB':>8} | {'paused s':>8} {'cpu s':>6} "
           f"{'peak GB':>8} | {'wall x':>6} {'cpu x':>6} {'same plan':>9}")
     for i, (label, mix, model, gbs, _, _) in enumerate(MANY_TYPES):
         if rows is not None and i not in rows:
             continue
         runs: dict = {True: [], False: []}
         for _ in range(repeat):
-            for full in (True, False):
-                runs[full].append(many_types_run({"cluster": mix, "model": model, "gbs": gbs, "full_gc": full},
-                                                 ROOT, 0.0))
-        med = {full: {k: statistics.median(r[k] for r in rs) for k in ("time_s", "cpu_s", "rss_gb")}
-               for full, rs in runs.items()}
+            for on in (True, False):
+                runs[on].append(many_types_run({"cluster": mix, "model": model, "gbs": gbs, "gc_on": on},
+                                               ROOT, 0.0))
+        med = {on: {k: statistics.median(r[k] for r in rs) for k in ("time_s", "cpu_s", "rss_gb")}
+               for on, rs in runs.items()}
         same = len({r["iter_ms"] for rs in runs.values() for r in rs}) == 1
         f, y = med[True], med[False]
         print(f"{label:<26} {f['time_s']:>9.2f} {f['cpu_s']:>6.2f} {f['rss_gb']:>8.2f} | {y['time_s']:>8.2f} "
@@ -339,8 +337,8 @@ def main(argv=None) -> int:
                         "each), GPT-3 13B, gbs 1024, limited to --many-limit s (default 300); writes --png")
     p.add_argument("--png", default=str(ROOT / "docs" / "planner_scaling.png"), help="where --curve draws")
     p.add_argument("--gc", action="store_true",
-                   help="only the many-type rows (--rows) with CPython's full garbage collections during the "
-                        "search vs young generations only, alternately --repeat times each")
+                   help="only the many-type rows (--rows) with CPython's garbage collector on during the "
+                        "search vs paused, alternately --repeat times each")
     p.add_argument("--repeat", type=int, default=3, help="runs of each variant with --gc")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)

@@ -33,6 +33,7 @@ import itertools
 import multiprocessing
 import queue as queues
 import time
+import weakref
 from dataclasses import dataclass
 
 from eth.planner.pipeline import PipelineResult, reattach
@@ -70,7 +71,7 @@ class Ahead:
     (False: it waits for the workers; the tests use it to have every result come from one)."""
 
     def __init__(self, search):
-        self.search = search
+        self.search = weakref.proxy(search)   # no cycle: the search holds this
         self.kept: dict = {}          # block vector -> Kept, received and not yet read
         self.beside = None            # the seed planners' process (eth.planner.workers.Forked)
         self.on = search.opt.jobs > 1 and search.opt.cache and can_fork()
@@ -149,7 +150,7 @@ class Ahead:
         if kept is None or kept.cut:
             return None
         s = self.search
-        reattach(kept.result, s.ev, s.out_of_time, s.phases)
+        reattach(kept.result, s.ev, s.stop, s.phases)
         return kept
 
     def close(self) -> None:

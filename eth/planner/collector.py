@@ -1,32 +1,36 @@
-"""The garbage collector during a search: young generations only.
+"""The garbage collector during a search: paused.
 
 A search builds its memos as it goes (stage costs, floors, ranks, phase-1 results:
-hundreds of thousands of long-lived objects), and CPython's collector traverses every
-tracked object in each full (generation 2) collection, which it starts whenever the
-long-lived objects have grown by a quarter: ever longer traversals as the memos grow,
-and in a forked worker (:mod:`eth.planner.workers`) a full collection also copies every
-page it touches.  The search creates little cyclic garbage (its peak RSS is the same
-with the collector off), so :func:`young_only` keeps the collections of generations 0
-and 1 and defers the full ones until the search returns (the thresholds are then as
-before).  Only the CPU time and when garbage is freed change;
-``python bench/search_scaling.py --gc`` measures both.
+hundreds of thousands of long-lived objects).  CPython's collector traverses the young
+objects every few hundred allocations, each survivor again when it is promoted, and every
+tracked object in each full collection (in a forked worker (:mod:`eth.planner.workers`)
+a full collection also copies every page it touches): time spent finding no garbage,
+because the search makes no reference cycles.  Its objects are freed by reference counting
+when :func:`eth.planner.search.search` returns (the stop callables its results keep hold
+the search weakly, the recursive closures of :mod:`eth.planner.enumerate` let go of
+themselves, :class:`eth.planner.workers.Forked` of its function;
+``tests/planner/test_collector.py`` checks that none of the planner's objects is left
+to the collector).  So :func:`paused` turns the collector off while a search runs and
+back on (if it was on) when it returns or raises.  Only the CPU time changes;
+``python bench/search_scaling.py --gc`` measures it.
 """
 from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
 
-NO_FULL = 1 << 30
-"""Generation-1 collections before a full one while :func:`young_only` holds: never, in
-effect."""
+PAUSE = True
+"""False: :func:`paused` leaves the collector as it is (the benchmark's comparison)."""
 
 
 @contextmanager
-def young_only():
-    """Within the block, CPython collects generations 0 and 1 only (module docstring)."""
-    before = gc.get_threshold()
-    gc.set_threshold(before[0], before[1], NO_FULL)
+def paused():
+    """Within the block the garbage collector is off; after it, as it was before."""
+    was = gc.isenabled()
+    if PAUSE:
+        gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*before)
+        if was:
+            gc.enable()

@@ -162,6 +162,8 @@ def device_groups(total: tuple[int, ...], parts: int, ok=None, stop=None):
         yield from rec(tuple(total), tuple(total), parts)
     except TimeUp:
         return
+    finally:
+        rec = None      # noqa: F841 - ends the cycle rec -> its cell -> rec, so ``ok`` is let go at once
 
 
 def count_groups(total: tuple[int, ...], parts: int, ok=None, limit: int | None = None,
@@ -201,7 +203,10 @@ def count_groups(total: tuple[int, ...], parts: int, ok=None, limit: int | None 
 
     if parts < 1:
         return 0
-    return rec(tuple(total), tuple(total), parts)
+    try:
+        return rec(tuple(total), tuple(total), parts)
+    finally:
+        rec = None      # noqa: F841 - ends the cycle rec -> its cell -> rec, so ``ok`` is let go at once
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ class Clock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def restart(self) -> None:
+        """Count from now, the limit not yet hit."""
+        self.start, self.hit = time.perf_counter(), False
+
 
 def progress_bar(total: int | None, enabled: bool, desc: str | None = None, unit: str = "it"):
     """Progress on stderr: a tqdm bar when stderr is a terminal; when it is a file or a

@@ -50,7 +50,7 @@ from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.ahead import Ahead
 from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
-from eth.planner.collector import young_only
+from eth.planner.collector import paused
 from eth.planner.dynprog import split_dp
 from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
                                    pipeline_can_hold, plan_tp_in_nodes)
@@ -100,6 +100,19 @@ class SearchStats:
     """Why evaluated groups produced no plan: reason -> count."""
 
 
+def _deadline(clock: Clock, stats: SearchStats):
+    """The search's time check (:meth:`HPPSearch.out_of_time`) as a function of its clock
+    and statistics alone.  The pipeline results in a search's caches keep their stop
+    callable; the bound method there would close a reference cycle through the search,
+    which would then outlive :func:`search` until a full garbage collection
+    (:mod:`eth.planner.collector`)."""
+    def stop() -> bool:
+        if clock.out():
+            stats.time_limited = True
+        return clock.hit
+    return stop
+
+
 class HPPSearch:
     """One search over one model/cluster/profile database."""
 
@@ -127,6 +140,7 @@ class HPPSearch:
         self.top: list[Candidate] = []
         self.phases = PhaseTimer()
         self.ahead = Ahead(self)
+        self.stop = _deadline(self.clock, self.stats)   # what results keep (run() restarts this clock)
 
     # ------------------------------------------------------------------ helpers
     def _devices(self, vec) -> dict[str, int]:
@@ -179,7 +193,7 @@ class HPPSearch:
         read at most the MAX_ALTERNATIVES next groups, which pruning completes."""
         with self.phases("balance"):
             return optimise_pipeline(self.ev, self.blocks, vec, batch, self.opt.balance_budget,
-                                     self.opt.stage_groups_topk, self.opt.max_stages, self.out_of_time,
+                                     self.opt.stage_groups_topk, self.opt.max_stages, self.stop,
                                      self.phases, self.opt.prune, self.opt.type_orders)
 
     def phase3(self, result: PipelineResult, lbs: int) -> PipelineResult:
@@ -189,7 +203,7 @@ class HPPSearch:
             return self._cache[key]
         self.stats.refinements += 1
         with self.phases("refine"):
-            refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self.out_of_time)
+            refined = refine_pipeline(self.ev, result, lbs, self.opt.balance_budget, self.stop)
         if self.opt.cache and not self.clock.hit:
             self._cache[key] = refined
         return refined
@@ -351,7 +365,7 @@ class HPPSearch:
     # ------------------------------------------------------------------ driver
     def run(self) -> Plan:
         opt = self.opt
-        self.clock = Clock(opt.time_limit)
+        self.clock.restart()
         total = self.blocks.count
         max_p = min(self.blocks.total, opt.gbs, opt.max_pipelines or self.blocks.total)
         limit = opt.dp_group_limit if opt.dp else None
@@ -369,7 +383,7 @@ class HPPSearch:
                     break
                 # counted lazily, saturating above dp_group_limit, polling the clock
                 try:
-                    n = count_groups(total, p, self.can_hold, limit=limit, stop=self.out_of_time)
+                    n = count_groups(total, p, self.can_hold, limit=limit, stop=self.stop)
                 except TimeUp:
                     break
                 if limit is not None and n > limit:
@@ -451,7 +465,7 @@ class HPPSearch:
             self.stats.dp_triggered_at = p
 
     def _ordered_groups(self, p):
-        groups = device_groups(self.blocks.count, p, self.can_hold, stop=self.out_of_time)
+        groups = device_groups(self.blocks.count, p, self.can_hold, stop=self.stop)
         if not self.opt.order:
             return groups
         tflops = {t: d.tflops for t, d in self.cluster.types.items()}
@@ -555,10 +569,10 @@ def search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Sea
     For "hpp" with ``options.seeds``, the structured planners of :data:`eth.planner.seeds.SEED_STRATEGIES`
     seed the search and the fastest plan by Eq. 5 is returned (:class:`eth.planner.seeds.Seeds`:
     with ``options.jobs`` > 1 beside the search, which then has the whole time limit;
-    otherwise first, and the search gets what is left).  The garbage collector's full
-    collections wait until it returns (:func:`eth.planner.collector.young_only`).
+    otherwise first, and the search gets what is left).  The garbage collector is paused
+    until it returns (:func:`eth.planner.collector.paused`).
     """
-    with young_only():
+    with paused():
         return _search(model, cluster, profiles, options)
 
 

@@ -74,14 +74,15 @@ def symmetric_counts(search) -> list[tuple[int, tuple[int, ...]]]:
 
 def _sibling(search, blocks: Blocks):
     """An HPPSearch (``search``'s class) over ``blocks`` sharing ``search``'s cost model,
-    evaluator, clock, phase timer, statistics and any attribute set after construction;
-    its caches are keyed by block vectors, so they are its own."""
+    evaluator, clock, phase timer, statistics, stop callable and any attribute set after
+    construction; its caches are keyed by block vectors, so they are its own."""
     child = type(search)(search.model, search.cluster, search.cost.profiles, search.opt)
     for name, value in vars(search).items():    # what a subclass set outside __init__
         if name not in vars(child):
             setattr(child, name, value)
     child.cost, child.ev = search.cost, search.ev
     child.clock, child.phases, child.stats = search.clock, search.phases, search.stats
+    child.stop = search.stop    # the time check of that clock and those statistics
     child.blocks = blocks
     return child
 

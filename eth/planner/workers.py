@@ -53,12 +53,13 @@ class Forked:
         return self._proc is not None and self._proc.is_alive() and not self._recv.poll()
 
     def result(self) -> R:
+        fn, self._fn = self._fn, None     # let go of what fn holds (often fn's own owner: a cycle)
         if self._proc is None:
-            return self._fn()
+            return fn()
         try:
             ok, value = self._recv.recv()
         except EOFError:                  # the child died without an answer: redo it here
-            ok, value = True, self._fn()
+            ok, value = True, fn()
         finally:
             self._recv.close()
             self._proc.join()
