@@ -6,9 +6,10 @@ objects every few hundred allocations, each survivor again when it is promoted, 
 tracked object in each full collection (in a forked worker (:mod:`eth.planner.workers`)
 a full collection also copies every page it touches): time spent finding no garbage,
 because the search makes no reference cycles.  Its objects are freed by reference counting
-when :func:`eth.planner.search.search` returns (the stop callables its results keep hold
-the search weakly, the recursive closures of :mod:`eth.planner.enumerate` let go of
-themselves, :class:`eth.planner.workers.Forked` of its function;
+when :func:`eth.planner.search.search` returns (the stop callable its results keep is a
+function of its clock, :class:`eth.planner.ahead.Ahead` holds it weakly, the recursive
+closures of :mod:`eth.planner.enumerate` let go of themselves,
+:class:`eth.planner.workers.Forked` of its function;
 ``tests/planner/test_collector.py`` checks that none of the planner's objects is left
 to the collector).  So :func:`paused` turns the collector off while a search runs and
 back on (if it was on) when it returns or raises.  Only the CPU time changes;
