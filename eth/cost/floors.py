@@ -66,8 +66,14 @@ class StageFloors:
         per_layer, fixed, sa, ea, sw, ew, base, slopes, heads, most, state, capacity = table
         room = (capacity - base - (layers * sw + ew) * state) / np.asarray(inflight, dtype=float)[:, None]
         need = np.maximum(layers * sa + ea - room, 0.0) / layers          # bytes to free per layer
-        knapsack = np.max(need[:, :, None] * slopes + heads, axis=2)
-        return np.where(need > most, math.inf, layers * per_layer + fixed + layers * knapsack)
+        out = layers * per_layer + fixed
+        # the recompute term only where some set frees enough (most entries of a long
+        # row cannot fit at all: inf)
+        r, c = np.nonzero(need <= most)
+        knapsack = np.max(need[r, c][:, None] * slopes[r, 0] + heads[r, 0], axis=1)
+        out[need > most] = math.inf
+        out[r, c] += layers[c] * knapsack
+        return out
 
     def _floor_terms(self, device_type: str, tp: int, micro: int, first: bool, last: bool, links) -> tuple:
         """:meth:`stage_time_floors`' terms of one shape, memoised: (ms per layer, fixed ms,
