@@ -234,15 +234,6 @@ SLOWER = {
 """Small cases (from the seeded suite of test_search_core.py) on which the HPP search
 without seeds is slower than a baseline, with the numbers measured (none known)."""
 SMALL = {
-    # once slower, until the cost model counted the backward's transient memory (eth.cost.model
-    # backward_bytes, remat_bytes): unseeded HPP 26.25 ms (mbs 4), uniform/metis/
-    # hexiscale 25.58 ms (mbs 8, attention core recomputed); now all 26.25 ms
-    "1 A100 of 3 GB, gbs 16": (
-        M4, [{"type": "A100", "devices_per_node": 1}], {"A100": {"memory_gb": 3}}, 16, (), ""),
-    # once slower likewise: unseeded HPP 12.22 ms, metis 11.96 ms; now both 12.22 ms
-    "1 V100 of 4 GB + 2 910B4 of 2 GB, gbs 8": (
-        M4, [{"type": "V100", "devices_per_node": 1}, {"type": "910B4", "devices_per_node": 2}],
-        {"V100": {"memory_gb": 4}, "910B4": {"memory_gb": 2}}, 8, (), ""),
     # once slower: unseeded HPP 7.02 ms against typesplit's 6.82 ms (a 2-stage pipeline at
     # mbs 1, Lbs 5, next to a 1-stage one, Lbs 3); the polish's free-Mbs re-plan reaches it
     "3 A100, 2 layers, gbs 8": (
