@@ -36,6 +36,7 @@ balancer rounds) and at every polish step; the best plan found so far is returne
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -100,17 +101,15 @@ class SearchStats:
     """Why evaluated groups produced no plan: reason -> count."""
 
 
-def _deadline(clock: Clock, stats: SearchStats):
-    """The search's time check (:meth:`HPPSearch.out_of_time`) as a function of its clock
-    and statistics alone.  The pipeline results in a search's caches keep their stop
-    callable; the bound method there would close a reference cycle through the search,
-    which would then outlive :func:`search` until a full garbage collection
-    (:mod:`eth.planner.collector`)."""
-    def stop() -> bool:
-        if clock.out():
-            stats.time_limited = True
-        return clock.hit
-    return stop
+def _time_up(clock: Clock, stats: SearchStats) -> bool:
+    """True once ``clock``'s limit is reached (and recorded in ``stats``).  The stop
+    callable the pipeline results in a search's caches keep is this function bound to the
+    search's clock and statistics: the bound method :meth:`HPPSearch.out_of_time` there
+    would close a reference cycle through the search, which would then outlive
+    :func:`search` until a full garbage collection (:mod:`eth.planner.collector`)."""
+    if clock.out():
+        stats.time_limited = True
+    return clock.hit
 
 
 class HPPSearch:
@@ -140,7 +139,7 @@ class HPPSearch:
         self.top: list[Candidate] = []
         self.phases = PhaseTimer()
         self.ahead = Ahead(self)
-        self.stop = _deadline(self.clock, self.stats)   # what results keep (run() restarts this clock)
+        self.stop = functools.partial(_time_up, self.clock, self.stats)   # what results keep (run() restarts this clock)
 
     # ------------------------------------------------------------------ helpers
     def _devices(self, vec) -> dict[str, int]:
@@ -154,9 +153,7 @@ class HPPSearch:
 
     def out_of_time(self) -> bool:
         """True once the time limit is reached (and recorded in the statistics)."""
-        if self.clock.out():
-            self.stats.time_limited = True
-        return self.clock.hit
+        return _time_up(self.clock, self.stats)
 
     @property
     def best_throughput(self) -> float:
