@@ -138,42 +138,33 @@ def stage_group_floors(ev, groups, batch: int, pure_tp: bool = False) -> list[fl
     every (group, Mbs) row is reduced alone).  Only the first L - S + 1 layer counts of a
     stage are read (each of S stages holds at least one layer), and only the (group, Mbs)
     rows where one layer fits on every stage (the others are inf in both floors).  A
-    stage's links are looked up once per ranks objects (the stage groups of a pipeline
-    share their per-type placements, :func:`eth.planner.pipeline.stage_ranks`) and its row
-    once per what it reads (:func:`_stage_row`), gathered by one index per chunk.
+    stage's row (:func:`_stage_row`) is found by its type, devices, position and the
+    identities of its ranks objects (:func:`_placed_row`; the stage groups of a pipeline
+    share their per-type placements, :func:`eth.planner.pipeline.stage_ranks`) in the
+    evaluator's stacked rows of the batch (:class:`_Rows`), gathered by one index per chunk.
     ``pure_tp``: every stage's tp is its device count (dp 1; HexiScale's stages), when
     that is a valid tp of the type (:meth:`eth.planner.evaluate.Evaluator.valid_tps`
     without ranks), else the stage's floor is inf."""
     L = ev.model.num_layers
     out = [math.inf] * len(groups)
-    links: dict = {}     # (type, devices, ids of the stage's and its neighbours' ranks) -> tps, links
-    index: dict = {}     # _stage_row's key -> position in unique (-1: None)
-    unique: list = []
+    placed = ev._floors.setdefault(("placed", batch, pure_tp), {})   # see _placed_row
+    store = _store(ev, batch)
     by_count: dict = {}
     for i, (stages, ranks) in enumerate(groups):
         S, ids = len(stages), []
         for j, (t, n) in enumerate(stages):
             nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j else None
-            lkey = (t, n, id(ranks[j]), id(nxt), id(prv))
-            tl = links.get(lkey)
-            if tl is None:
-                tl = links[lkey] = _stage_links(ev, t, n, ranks[j], nxt, prv, pure_tp)
-            key = (t, n, j == 0, j == S - 1, S - j, batch) + tl
-            u = index.get(key)
-            if u is None:
-                row = _stage_row(ev, key)
-                u = index[key] = -1 if row is None else len(unique)
-                if row is not None:
-                    unique.append(row)
-            if u < 0:        # no tp's dp divides the batch: inf
+            hit = placed.get((t, n, S - j, j == 0, id(ranks[j]), id(nxt), id(prv)))
+            if hit is None or hit[0] is not ranks[j] or hit[1] is not nxt or hit[2] is not prv:
+                hit = _placed_row(ev, placed, store, t, n, j, S, ranks[j], nxt, prv, batch, pure_tp)
+            if hit[3] < 0:   # no tp's dp divides the batch: inf
                 break
-            ids.append(u)
+            ids.append(hit[3])
         else:
             by_count.setdefault(S, []).append((i, ids))
     if not by_count:
         return out
-    rows = np.stack(unique)                               # (row, Mbs, layers)
-    fits = np.isfinite(rows[:, :, 0])                     # one layer fits at that Mbs
+    rows, fits = store.rows, store.fits                   # (row, Mbs, layers); one layer fits at that Mbs
     fill = np.array([batch // m - 1 for m in _divisors(batch)], dtype=float)
     M = len(fill)
     for S, entries in by_count.items():
@@ -242,6 +233,56 @@ def _sum_floors(rows, total: int):
         steps = np.where(np.isinf(part[:, :, 1:]), math.inf, np.diff(part, axis=2))
     steps = steps.reshape(K, S * extra)
     return head + np.partition(steps, extra - 1, axis=1)[:, :extra].sum(axis=1)
+
+
+def _placed_row(ev, placed: dict, store: "_Rows", t: str, n: int, j: int, S: int, ranks, nxt, prv, batch: int,
+                pure_tp: bool) -> tuple:
+    """(ranks, nxt, prv, the place in ``store`` of the :func:`_stage_row` of stage j of S of
+    ``n`` devices of type ``t`` on ``ranks`` next to ``nxt`` / ``prv``, -1 when it is None),
+    kept in ``placed`` (one dictionary per batch and ``pure_tp`` on the evaluator) by the
+    type, devices, position and the identities of the three rank tuples, which the entry
+    holds (an identity is only trusted while its object is the one held):
+    :func:`stage_group_floors` meets the same stage on the same ranks objects in most of a
+    pipeline's stage groups, and finds its row with one look-up instead of hashing its
+    links."""
+    row = _stage_row(ev, (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks, nxt, prv, pure_tp))
+    hit = placed[(t, n, S - j, j == 0, id(ranks), id(nxt), id(prv))] = (ranks, nxt, prv,
+                                                                        -1 if row is None else store.add(row))
+    return hit
+
+
+class _Rows:
+    """The stage rows (:func:`_stage_row`) of one batch stacked as they are made, so that
+    :func:`stage_group_floors` gathers from one array instead of stacking its rows on
+    every call: ``rows[:count]`` (row, Mbs, layers) and ``fits`` (one layer fits at that
+    Mbs); a row's place by its identity (the rows are kept in the evaluator's memo)."""
+
+    def __init__(self, mbs: int, layers: int):
+        self.rows = np.empty((256, mbs, layers))
+        self.fits = np.empty((256, mbs), dtype=bool)
+        self.count = 0
+        self.place: dict = {}
+
+    def add(self, row) -> int:
+        k = self.place.get(id(row))
+        if k is None:
+            if self.count == len(self.rows):
+                self.rows = np.concatenate([self.rows, np.empty_like(self.rows)])
+                self.fits = np.concatenate([self.fits, np.empty_like(self.fits)])
+            k = self.place[id(row)] = self.count
+            self.rows[k] = row
+            self.fits[k] = np.isfinite(row[:, 0])
+            self.count += 1
+        return k
+
+
+def _store(ev, batch: int) -> _Rows:
+    """The evaluator's :class:`_Rows` of ``batch``."""
+    key = ("rows", batch)
+    hit = ev._floors.get(key)
+    if hit is None:
+        hit = ev._floors[key] = _Rows(len(_divisors(batch)), ev.model.num_layers)
+    return hit
 
 
 def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
