@@ -185,6 +185,84 @@ def stage_group_floors(ev, groups, batch: int, pure_tp: bool = False) -> list[fl
     return out
 
 
+def floor_configuration(ev, stages, ranks, batch: int) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """(Mbs, ((tp, layers) of each stage)) of the configuration that the floor of the stage
+    group ``stages`` on ``ranks`` (:func:`stage_group_floor`) describes, or None when it
+    has none in the planner's space: the start of the balancer
+    (:func:`eth.planner.balance.warm_start`).  A stage's floor at its layer count is close
+    to its time, so this configuration is close to the floor; most of the gap between a
+    group's floor and the time the balancer reached from a compute-proportional start
+    was the balancer's layer split.
+
+    Of the Mbs in ascending order of the floor at that Mbs: the split with the least
+    largest stage floor (each stage takes the layer counts whose floor is at most the
+    split floor, then the layers whose last increment is largest are given back until
+    the counts sum to L), each stage at the tp of least floor for its layers; the first
+    Mbs whose configuration is in the planner's space (Mbs = lcm of the dps x a power of
+    two; every stage's floor finite at its layer count) is taken."""
+    L = ev.model.num_layers
+    S = len(stages)
+    W = L - S + 1
+    if W < 1:
+        return None
+    rows, tables = [], []
+    for j, (t, n) in enumerate(stages):
+        nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j else None
+        key = (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks[j], nxt, prv)
+        row = _stage_row(ev, key)
+        if row is None:
+            return None
+        rows.append(row[:, :W])
+        tables.append(ev._floors[("table",) + key[:4] + key[5:]])
+    g = np.stack(rows, axis=1)                                    # (Mbs, stage, layers)
+    live = np.nonzero(np.isfinite(g[:, :, 0]).all(axis=1))[0]
+    if not len(live):
+        return None
+    mbss = _divisors(batch)
+    fill = np.array([batch // mbss[m] - 1 for m in live], dtype=float)
+    split = _split_floors(g[live], L)
+    with np.errstate(invalid="ignore"):
+        total = np.where(fill > 0, fill * split, 0.0) + _sum_floors(g[live], L)
+    for k in np.argsort(total, kind="stable"):
+        if not math.isfinite(total[k]):     # no split holds every layer at this or a later Mbs
+            return None
+        got = _configuration_at(ev, tables, g[live[k]], float(split[k]), mbss[live[k]], batch, L)
+        if got is not None:
+            return got
+    return None
+
+
+def _configuration_at(ev, tables, g, x: float, mbs: int, batch: int, L: int):
+    """:func:`floor_configuration` at one Mbs: ``g`` the stages' floor rows (stage, layers),
+    ``x`` their split floor; None when it is not in the planner's space."""
+    S = len(g)
+    layers = [max(1, int(np.searchsorted(g[j], x, side="right"))) for j in range(S)]
+    while sum(layers) > L:      # give back the layer whose floor increment is largest
+        j = max((j for j in range(S) if layers[j] > 1), key=lambda j: (g[j][layers[j] - 1] - g[j][layers[j] - 2], -j))
+        layers[j] -= 1
+    if sum(layers) != L:
+        return None
+    parts, dps = [], []
+    for j, table in enumerate(tables):
+        key = ("least tp", id(table), S - j, mbs, layers[j])     # the tables live in ev._floors
+        hit = ev._floors.get(key)
+        if hit is None:
+            shapes, _, _, terms = table
+            inflight = [max(1, min(S - j, batch // (dp * micro))) for _, dp, micro, _, _ in shapes]
+            times = ev.cost.stage_time_floors_at(terms, inflight, np.array([float(layers[j])]))[:, 0]
+            options = [(times[k], k) for k, (_, dp, micro, _, _) in enumerate(shapes)
+                       if dp * micro == mbs and times[k] < math.inf]
+            hit = ev._floors[key] = shapes[min(options)[1]][:2] if options else ()
+        if not hit:
+            return None
+        parts.append((hit[0], layers[j]))
+        dps.append(hit[1])
+    q = mbs // math.lcm(*dps)
+    if mbs % math.lcm(*dps) or q & (q - 1):
+        return None
+    return mbs, tuple(parts)
+
+
 def split_floor(rows, total: int) -> float:
     """min over integer splits (n_j >= 1, sum n_j = ``total``) of max_j rows[j][n_j - 1],
     for rows non-decreasing and of length >= total - len(rows) + 1 (numpy arrays): the

@@ -2,7 +2,7 @@
 
 :func:`optimise_pipeline` (phase 1, batch = Gbs) enumerates the pipeline's stage device
 groups (:func:`eth.planner.enumerate.stage_groups`), warm-starts each
-(:func:`eth.planner.balance.initial_state`), gives every warm start (or only the
+(:func:`eth.planner.balance.warm_start`), gives every warm start (or only the
 ``stage_groups_topk`` best ones) the balancer with an adaptive budget, and returns the best.
 :func:`refine_pipeline` (phase 3) re-balances the chosen configuration for the
 pipeline's local batch (Eq. 1 with Lbs instead of Gbs).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from eth.planner.balance import balance, initial_state
+from eth.planner.balance import balance, warm_start
 from eth.planner.bounds import stage_group_floors
 from eth.planner.enumerate import Blocks, StageGroup, assign_ranks, pipeline_ranks, scale_groups, stage_groups
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState
@@ -209,7 +209,7 @@ def optimise_pipeline(ev: Evaluator, blocks: Blocks, vec, batch: int, base_budge
             if starts and halted():
                 break
             ranks = stage_ranks(ev, blocks, g)
-            init = initial_state(ev, g.stages, batch, ranks)
+            init = warm_start(ev, g.stages, batch, ranks)
             if init is not None:
                 starts.append((init[1].key, len(starts), g, ranks, init, budget))
     if not starts:
@@ -262,7 +262,7 @@ class _Groups:
                 return
             _, i, g, ranks, budget = self.todo.pop()
             with (self.phases("warm starts") if self.phases is not None else nullcontext()):
-                init = initial_state(ev, g.stages, batch, ranks)
+                init = warm_start(ev, g.stages, batch, ranks)
             if init is None:
                 continue
             state, e = init

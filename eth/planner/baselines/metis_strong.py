@@ -16,7 +16,7 @@ HPP phase-1 problem for the pipeline that holds every device (Eq. 1 with B = Gbs
 so it reuses the HPP machinery restricted to that pipeline: every stage device group
 of the whole cluster (:func:`eth.planner.enumerate.stage_groups`; with 4 or more device
 types those of the ``type_orders`` most promising type orders, as the HPP search), the warm start
-(:func:`eth.planner.balance.initial_state`) and the Aceso-style stage balancer
+(:func:`eth.planner.balance.warm_start`) and the Aceso-style stage balancer
 (:func:`eth.planner.balance.balance`: layer moves, tp <-> dp, mbs) with the adaptive
 budgets of section 6.  Recompute: by default per stage the cheapest of none / selective /
 full that fits (``BaselineOptions.recompute = "stage"``, Megatron granularity; op-level
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from eth.cost.model import CostModel
 from eth.spec.plan import Plan
-from eth.planner.balance import balance, initial_state
+from eth.planner.balance import balance, warm_start
 from eth.planner.baselines.common import Best, BaselineOptions, finish, floor_order, make_evaluator, pipeline_plan
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import make_blocks, stage_groups
@@ -58,7 +58,7 @@ def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptio
             bar.update(1)
             if clock.out() or floor > best.iteration_ms * (1 + 1e-9):
                 break           # no plan of this or a later group can be faster
-            init = initial_state(ev, g.stages, gbs, ranks)
+            init = warm_start(ev, g.stages, gbs, ranks)
             if init is None:
                 continue
             state, e, _ = balance(ev, init[0], gbs, ranks, budget, init[1])
