@@ -14,16 +14,15 @@ a stage of 3+ layers would need recompute that could beat the best (the referenc
 cannot prove its optimum), are left out; at least ``MIN_CASES`` remain with a proven optimum of the planner's
 space (issue 11 item 3), and ``MIN_CASES`` - 10 of the full space.
 
-Gaps (search / optimum - 1) measured over the suite (154 cases with a proven optimum of
-the planner's space, 147 of the full space; the full-space figures are over the cases
-whose planner space has a plan), by ``python bench/noseeds_widening.py --suite --no-table
---variants --worst``:
+Gaps (search / optimum - 1) measured over the suite (151 cases with a proven optimum of
+the planner's space; the full-space figures are over the cases whose planner space has a
+plan), by ``python bench/noseeds_widening.py --suite --no-table --variants --worst``:
 
     search                        vs planner-space optimum                   vs full-space optimum
                                   median  mean   p95    max    at opt.  >1%   median  p95    max
-    core (seeds off, polish off)  0       2.0%   9.0%   81.0%  71%      36    1.4%    28.0%  815%
-    core + polish (seeds off)     0       0      0      0      100%     0     0       20.7%  406%
-    search() (seeds + polish)     0       0      0      0      100%     0     0       20.7%  406%
+    core (seeds off, polish off)  0       2.76%  11.0%  87.0%  74%      33    2.4%    31.0%  743%
+    core + polish (seeds off)     0       0.01%  0      0.87%  99%      0     0       25.2%  366%
+    search() (seeds + polish)     0       0.01%  0      0.87%  99%      0     0       25.2%  366%
 
 (Before issue 11 item 3's polish changes -- the descent before the re-plan, pipelines'
 stage orders reversed as group moves, every stage's tp x2 / 2 as one move, the best
