@@ -207,13 +207,12 @@ def floor_configuration(ev, stages, ranks, batch: int) -> tuple[int, tuple[tuple
         return None
     rows, tables = [], []
     for j, (t, n) in enumerate(stages):
-        nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j else None
-        key = (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks[j], nxt, prv)
+        key = _stage_key(ev, t, n, j, S, ranks, batch)
         row = _stage_row(ev, key)
         if row is None:
             return None
         rows.append(row[:, :W])
-        tables.append(ev._floors[("table",) + key[:4] + key[5:]])
+        tables.append(_stage_table(ev, key))
     g = np.stack(rows, axis=1)                                    # (Mbs, stage, layers)
     live = np.nonzero(np.isfinite(g[:, :, 0]).all(axis=1))[0]
     if not len(live):
@@ -257,8 +256,8 @@ def _configuration_at(ev, tables, g, x: float, mbs: int, batch: int, L: int):
             return None
         parts.append((hit[0], layers[j]))
         dps.append(hit[1])
-    q = mbs // math.lcm(*dps)
-    if mbs % math.lcm(*dps) or q & (q - 1):
+    base = math.lcm(*dps)
+    if mbs % base or (mbs // base) & (mbs // base - 1):
         return None
     return mbs, tuple(parts)
 
@@ -369,8 +368,14 @@ def _stage_floor(ev, t: str, n: int, j: int, S: int, ranks, batch: int):
     divides it) and one column per layer count 1..L, memoised on the evaluator by all it
     reads (the stage's type, devices, first / last, stages after it, batch and its links
     for each valid tp); None when no tp's dp divides ``batch``."""
+    return _stage_row(ev, _stage_key(ev, t, n, j, S, ranks, batch))
+
+
+def _stage_key(ev, t: str, n: int, j: int, S: int, ranks, batch: int) -> tuple:
+    """:func:`_stage_row`'s key of stage j of S of ``n`` devices of type ``t`` on the
+    pipeline's ``ranks`` (every tp)."""
     nxt, prv = ranks[j + 1] if j + 1 < S else None, ranks[j - 1] if j > 0 else None
-    return _stage_row(ev, (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks[j], nxt, prv))
+    return (t, n, j == 0, j == S - 1, S - j, batch) + _stage_links(ev, t, n, ranks[j], nxt, prv)
 
 
 def _stage_links(ev, t: str, n: int, ranks, nxt, prv, pure_tp: bool = False) -> tuple:
@@ -386,16 +391,12 @@ def _stage_links(ev, t: str, n: int, ranks, nxt, prv, pure_tp: bool = False) -> 
     return hit
 
 
-def _stage_row(ev, key: tuple):
-    """:func:`_stage_floor` by its key (type, devices, first, last, stages from it on,
-    batch, valid tps, their links), memoised on the evaluator."""
-    hit = ev._floors.get(key)
-    if hit is not None or key in ev._floors:
-        return hit
-    t, n, first, last, after, batch, tps, links = key
-    cost = ev.cost
-    # the shapes (tp, micro), ordered by Mbs = dp x micro, and their cost terms do not
-    # depend on the stages after it: one table
+def _stage_table(ev, key: tuple) -> tuple:
+    """(shapes (tp, dp, micro, links, 1) ordered by Mbs = dp x micro, the Mbs index of each
+    run of equal Mbs, where each run starts, :meth:`eth.cost.model.CostModel.floor_table`
+    of the shapes) of a stage by :func:`_stage_row`'s key: they do not depend on the
+    stages after it, so one table serves every position, memoised on the evaluator."""
+    t, n, first, last, _, batch, tps, links = key
     tkey = ("table", t, n, first, last, batch, tps, links)
     table = ev._floors.get(tkey)
     if table is None:
@@ -406,8 +407,19 @@ def _stage_row(ev, key: tuple):
         which = [mbss.index(dp * micro) for _, dp, micro, _, _ in shapes]
         starts = [k for k in range(len(which)) if k == 0 or which[k] != which[k - 1]]
         table = ev._floors[tkey] = (shapes, np.array([which[k] for k in starts]), np.array(starts, dtype=np.intp),
-                                    cost.floor_table(t, first, last, shapes) if shapes else None)
-    shapes, used, starts, terms = table
+                                    ev.cost.floor_table(t, first, last, shapes) if shapes else None)
+    return table
+
+
+def _stage_row(ev, key: tuple):
+    """:func:`_stage_floor` by its key (type, devices, first, last, stages from it on,
+    batch, valid tps, their links), memoised on the evaluator."""
+    hit = ev._floors.get(key)
+    if hit is not None or key in ev._floors:
+        return hit
+    _, _, _, _, after, batch, _, _ = key
+    cost = ev.cost
+    shapes, used, starts, terms = _stage_table(ev, key)
     f = None
     if shapes:
         # the in-flight micro-batches of evaluate: min(S - j, B / Mbs), at least 1
