@@ -39,6 +39,8 @@ efficiency = ideal_ms / sim_ms.  A strategy that finds no plan that fits is
     python bench/paper_eval.py --only table2 --models gpt3-13b --pairs b2b4
     python bench/paper_eval.py --only sensitivity
     python bench/paper_eval.py --only many_types   # 3, 4 and 6 device types (not in --quick)
+    python bench/paper_eval.py --only many_types --strategies hpp-noseeds --patience 0 --out DIR
+                                                    # the same without the patience stop
     python bench/paper_eval.py --report-only        # rebuild md + PNG from the CSVs
 """
 from __future__ import annotations
@@ -255,9 +257,10 @@ def ideal_ms(model, cluster, gbs: int) -> float:
 
 
 def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies,
-             save_dir: Path | None = None, variant=None) -> list[Row]:
+             save_dir: Path | None = None, variant=None, patience: int | None = None) -> list[Row]:
     """Every strategy on one problem; ``variant`` (a :class:`Variant`) changes the training
-    setup, the profiles or the cluster (the sensitivity table)."""
+    setup, the profiles or the cluster (the sensitivity table); ``patience``: the HPP
+    searches' ``SearchOptions.patience`` (None: its default)."""
     from eth.cost.model import CostModel
     from eth.errors import InfeasibleError, SpecError
     from eth.spec.model import get_model
@@ -283,8 +286,9 @@ def run_case(case: Case, mc, cache: ProfileCache, time_limit: float, strategies,
         start = time.perf_counter()
         try:
             if strategy in HPPS:
+                extra = {"patience": patience} if patience is not None else {}
                 plan = search(model, cluster, db, SearchOptions(gbs=case.gbs, time_limit=time_limit, setup=setup,
-                                                                seeds=strategy == "hpp"))
+                                                                seeds=strategy == "hpp", **extra))
             else:
                 plan = plan_baseline(strategy, model, cluster, db, case.gbs,
                                      BaselineOptions(time_limit=time_limit, setup=setup))
@@ -352,6 +356,8 @@ def parse_args(argv=None):
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     p.add_argument("--gbs", type=int, default=1024, help="global batch of the Table 2 runs")
     p.add_argument("--time-limit", type=float, help="seconds per search, 0 = none (default 60, quick: 10)")
+    p.add_argument("--patience", type=int, help="SearchOptions.patience of the hpp searches (default: the "
+                   "planner's; 0 = every device group); with --out elsewhere, not to mix it into the results")
     add_output_args(p, "the tables, plans and report (quick: .../quick)")
     p.add_argument("--report-only", action="store_true", help="rebuild md + PNG from existing CSVs")
     return p.parse_args(argv)
@@ -359,6 +365,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.patience is not None and args.patience < 0:
+        print(f"paper_eval: --patience must be >= 0 (0: every device group), got {args.patience}", file=sys.stderr)
+        return 2
     if args.time_limit is None:
         args.time_limit = 10.0 if args.quick else 60.0
     sys.path.insert(0, str(ROOT))
@@ -379,7 +388,8 @@ def main(argv=None) -> int:
             case = Case("sensitivity", *SENSITIVITY_CASE)
             rows = []
             for v in tqdm(SENSITIVITY, file=sys.stderr, unit="variant", desc="sensitivity"):
-                rows += run_case(case, mc, cache, args.time_limit, args.strategies, variant=v)
+                rows += run_case(case, mc, cache, args.time_limit, args.strategies, variant=v,
+                                 patience=args.patience)
             path = out / "sensitivity.csv"
             if path.exists() and set(args.strategies) != set(STRATEGIES):     # merge partial re-runs
                 keep = {(r.variant, r.strategy) for r in rows}
@@ -396,7 +406,8 @@ def main(argv=None) -> int:
                     key = (case.model, case.pair, case.devices, case.gbs, case.seq)
                     if key not in done:
                         done[key] = run_case(case, mc, cache, args.time_limit, args.strategies,
-                                             out / "plans" if key == TABLE3_CASE else None)
+                                             out / "plans" if key == TABLE3_CASE else None,
+                                             patience=args.patience)
                     rows += [replace(r, table=table) for r in done[key]]
                     bar.update(1)
                 path = out / f"{table}.csv"
