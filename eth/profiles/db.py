@@ -61,8 +61,9 @@ from eth.spec.model import ModelSpec, all_ops, op_shapes
 PROFILE_VERSION = 1
 OP_FIELDS = ("fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes", "output_bytes")
 SHAPE_FIELDS = ("hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "swiglu", "dropout",
-                "norm", "position", "bias", "attention")
-SHAPE_DEFAULTS = {"norm": "layernorm", "position": "learned", "bias": True, "attention": "unfused"}
+                "norm", "position", "bias", "attention", "attention_dropout")
+SHAPE_DEFAULTS = {"norm": "layernorm", "position": "learned", "bias": True, "attention": "unfused",
+                  "attention_dropout": None}
 """Shape fields a profile written before they existed lacks: the GPT values."""
 
 # Analytic efficiency factors (documented assumptions, see docs/FORMATS.md).
@@ -89,6 +90,13 @@ class OpCost:
 
 def shape_key(model: ModelSpec) -> tuple:
     return tuple(getattr(model, f) for f in SHAPE_FIELDS)
+
+
+def shape_dict(model: ModelSpec) -> dict:
+    """A profile entry's "shape" object of ``model``: :data:`SHAPE_FIELDS`, less
+    ``attention_dropout`` when it is None (the same as ``dropout``), so that files keep
+    the form they had before the field existed."""
+    return {f: getattr(model, f) for f in SHAPE_FIELDS if not (f == "attention_dropout" and model.attention_dropout is None)}
 
 
 def entry_shape(shape: dict) -> tuple:
@@ -152,7 +160,8 @@ class DeviceProfile:
             except (KeyError, TypeError):
                 raise ProfileError(f"{mw}.shape must give {list(SHAPE_FIELDS)}") from None
             if not all(isinstance(v, str) if f in ("norm", "position", "attention") else
-                       (is_number(v) or isinstance(v, bool)) for f, v in zip(SHAPE_FIELDS, shape)):
+                       (is_number(v) or isinstance(v, bool) or (v is None and f == "attention_dropout"))
+                       for f, v in zip(SHAPE_FIELDS, shape)):
                 raise ProfileError(f"{mw}.shape must hold numbers, got {m['shape']}")
             self._names[shape] = m.get("name", "?")
             self._tp_comm[shape] = _tp_comm_flag(m, mw, file_tp_comm)
@@ -492,7 +501,7 @@ def analytic_profile(device: DeviceType, models, mbs=DEFAULT_MBS, tp=DEFAULT_TP,
                     "ops": analytic_op_costs(device, model, m, t, include_unapplied)}
                    for t in tp if model.splits(t) for m in mbs]
         data["models"].append({"name": model.name, "source": "analytic", "tp_comm_included": False,
-                               "shape": {f: getattr(model, f) for f in SHAPE_FIELDS},
+                               "shape": shape_dict(model),
                                "entries": entries})
     return data
 

@@ -19,12 +19,12 @@ def gemm_points(profile_data: dict, model: ModelSpec, ops=FIT_OPS) -> list[tuple
     """[(op, mbs, tp, (m, n, k), flops, fwd_ms)] of every GEMM op and (mbs, tp) entry of
     ``model``'s shape in a profile JSON dict."""
     from eth.spec.model import op_shapes
-    from eth.profiles.db import SHAPE_FIELDS, shape_key
+    from eth.profiles.db import entry_shape, shape_key
 
     key = shape_key(model)
     points = []
     for m in profile_data["models"]:
-        if tuple(m["shape"][f] for f in SHAPE_FIELDS) != key:
+        if entry_shape(m["shape"]) != key:
             continue
         for e in m["entries"]:
             dims, shapes = gemm_dims(model, e["mbs"], e["tp"]), op_shapes(model, e["mbs"], e["tp"])

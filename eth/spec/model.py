@@ -94,6 +94,10 @@ class ModelSpec:
     """Gated MLP (SwiGLU): mlp-gemm-1 produces 2 * ffn outputs."""
     dropout: float = 0.1
     """Hidden and attention dropout probability (0 disables the dropout ops' masks)."""
+    attention_dropout: float | None = None
+    """Dropout on the attention probabilities where it differs from ``dropout`` (GPT-Neo
+    as Megatron-DeepSpeed runs it: 0, with hidden dropout 0.1); None: ``dropout``
+    (:attr:`attn_dropout`)."""
     norm: str = "layernorm"
     """"layernorm" (weight + bias) or "rmsnorm" (weight only), before attention, before
     the MLP and after the last layer."""
@@ -130,6 +134,11 @@ class ModelSpec:
             raise SpecError(f"model.swiglu must be true or false, got {self.swiglu!r}")
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise SpecError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.attention_dropout is not None:
+            if not is_number(self.attention_dropout) or not 0.0 <= self.attention_dropout < 1.0:
+                raise SpecError(f"model.attention_dropout must be in [0, 1) or null, got {self.attention_dropout}")
+            if self.attention_dropout == self.dropout:     # one spec, one form
+                object.__setattr__(self, "attention_dropout", None)
         for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise SpecError(f"model.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
@@ -142,6 +151,11 @@ class ModelSpec:
         if self.position == "rope" and self.head_dim % 2:
             raise SpecError(f"model.position rope needs an even head dimension, got "
                             f"hidden {self.hidden} / heads {self.heads} = {self.head_dim}")
+
+    @property
+    def attn_dropout(self) -> float:
+        """The dropout on the attention probabilities: ``attention_dropout``, else ``dropout``."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def head_dim(self) -> int:
@@ -204,6 +218,8 @@ class ModelSpec:
         attention, norm_eps, rope_theta) that equal the GPT defaults, so that a plan's hash
         is the one it had before these fields existed."""
         data = asdict(self)
+        if self.attention_dropout is None:
+            del data["attention_dropout"]
         if compact:
             for f in fields(self):
                 if f.name in _OPTION_FIELDS and data[f.name] == f.default:
@@ -263,10 +279,10 @@ def layer_dataflow(spec) -> tuple[OpFlow, ...]:
     runtime (``megatron.hpp.models.gpt.Layer``) runs them: a tensor kept by two ops (the
     fused qkv output, read by score and context through views of one storage; the
     attention probabilities, which context reads as they are when attn-dropout is the
-    identity) is one tensor, held once.  With ``spec.dropout`` 0 attn-dropout passes
+    identity) is one tensor, held once.  With ``spec.attn_dropout`` 0 attn-dropout passes
     "probs" on unchanged (its output is "probs"); the residual adds and rotary keep nothing."""
     qkv = "qkv_r" if spec.position == "rope" else "qkv"
-    probs_d = "probs_d" if spec.dropout > 0 else "probs"
+    probs_d = "probs_d" if spec.attn_dropout > 0 else "probs"
     norm = "rmsnorm" if spec.norm == "rmsnorm" else "layernorm"
     flows = {f"1st-{norm}": (("x",), "a", ("x",)), "qkv": (("a",), "qkv", ("a",)),
              "rotary": (("qkv",), "qkv_r", ()), "score": ((qkv,), "scores", (qkv,)),
@@ -407,9 +423,9 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int, elem_bytes: int = ACT_BYTES,
     f1 = 2 * f if spec.swiglu else f             # width of mlp-gemm-1's output
     tok = b * s * h * E                          # one full hidden activation
     att = b * (a // t) * s * s                   # elements of one tp rank's attention matrix
-    drop = spec.dropout > 0
+    drop, drop_a = spec.dropout > 0, spec.attn_dropout > 0
     mask_h = b * s * h * mask_bytes if drop else 0
-    mask_a = att * mask_bytes if drop else 0
+    mask_a = att * mask_bytes if drop_a else 0
     bias = 1 if spec.bias else 0
     rms = spec.norm == "rmsnorm"
     norm_name = "rmsnorm" if rms else "layernorm"
@@ -449,7 +465,7 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int, elem_bytes: int = ACT_BYTES,
             _op("score", 2 * b * s * s * h // t, 0, qkv_out, qkv_out, att * E, gemm=True),
             _op("softmax", 5 * att, 0, att * E, att * E, att * E),
             _op("attn-dropout", 2 * att, 0, mask_a, att * E, att * E, 2 * att * E + mask_a),
-            _op("context", 2 * b * s * s * h // t, 0, att * E if drop else 0,
+            _op("context", 2 * b * s * s * h // t, 0, att * E if drop_a else 0,
                 att * E + b * s * kv_l * E, b * s * h // t * E, gemm=True),
         ]
     act_name = "swiglu" if spec.swiglu else "gelu"

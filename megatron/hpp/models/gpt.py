@@ -113,6 +113,7 @@ class Layer(torch.nn.Module):
         h, f, cfg, tp = spec.hidden, spec.ffn, _config(), tp_group.size()
         spec.check_tp(tp)
         self.index, self.tracker, self.recompute, self.dropout = index, tracker, recompute, spec.dropout
+        self.attn_dropout = spec.attn_dropout
         self.OPS = tuple(op for op in op_table(spec) if ops is None or op[0] in ops)
         self.keep = keep
         self.segments = self.plan_segments(recompute, self.OPS, keep)
@@ -166,17 +167,17 @@ class Layer(torch.nn.Module):
         return llama.causal_softmax(scores)
 
     def op_attn_dropout(self, probs):
-        if not (self.training and self.dropout > 0):
+        if not (self.training and self.attn_dropout > 0):
             return probs
         with self.tracker.fork(MODEL_PARALLEL_RNG):  # different mask per tp rank (own heads)
-            return F.dropout(probs, self.dropout, training=True)
+            return F.dropout(probs, self.attn_dropout, training=True)
 
     def op_context(self, probs, qkv):
         return llama.context(probs, qkv, self.local_groups, self.group, self.head_dim)
 
     def op_fused_attention(self, qkv):
-        args = (qkv, self.local_groups, self.group, self.head_dim, self.dropout, self.training)
-        if not (self.training and self.dropout > 0):
+        args = (qkv, self.local_groups, self.group, self.head_dim, self.attn_dropout, self.training)
+        if not (self.training and self.attn_dropout > 0):
             return llama.fused_attention(*args)
         with self.tracker.fork(MODEL_PARALLEL_RNG):  # as attn-dropout: own heads, own mask
             return llama.fused_attention(*args)

@@ -20,7 +20,7 @@ import torch
 
 from eth.errors import SpecError
 from eth.spec.model import ACT_BYTES, all_ops, op_shapes
-from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS, DeviceProfile, entry_shape
+from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, DeviceProfile, entry_shape, shape_dict
 from megatron.hpp.profiling.ops import DTYPE_BYTES, ProfileConfig, device_description
 
 def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
@@ -54,7 +54,7 @@ def provenance(cfg: ProfileConfig, device: torch.device, command: str) -> dict:
 
 def profile_dict(cfg: ProfileConfig, entries: list[dict], prov: dict, collectives: dict | None = None) -> dict:
     """A version-1 profile JSON dict holding one model shape."""
-    model = {"name": cfg.model.name, "shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS},
+    model = {"name": cfg.model.name, "shape": shape_dict(cfg.model),
              "provenance": prov, "entries": entries}
     if cfg.real_tp and max(cfg.tp) > 1:   # tp > 1 timed on a real tp group: its collectives are in the op times
         model["tp_comm_included"] = True
