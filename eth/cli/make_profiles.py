@@ -5,6 +5,8 @@
     python tools/make_profiles.py --gemm-efficiency fitted -o /tmp/fitted   # also the unapplied GPU fits
     python tools/make_profiles.py --import-aceso runs/a100/ --device A100 --model gpt3-1.3b \
         --aceso-model gpt_1_3B -o profiles/A100-measured.json
+    python tools/make_profiles.py --import-sailor profiles_tmp.json --sailor-model OPT-350 \
+        --sailor-gpu GH-96 --device GH200 --model opt-350m.yaml -o profiles/GH200-sailor.json
 
 Analytic files say "source": "analytic" and record the datasheet figures and the
 efficiency factors they assume (eth/profiles/db.py).  An existing file is merged into,
@@ -15,9 +17,11 @@ holds another device or another kind (analytic / measured) of profile.
 
 An Aceso import (eth/profiles/aceso.py) converts Aceso's microsecond op times to ms, reads the
 CSVs of one Aceso model (``--aceso-model``, needed when the folder holds several),
-refuses CSVs whose weight / activation sizes do not fit ``--model`` (hidden, vocab,
-heads), imports Aceso's ``prim_*`` collective tables and ``p2p_intra_node.csv``, and marks the op times as
-including the tp all-reduces.
+refuses CSVs whose weight sizes do not fit ``--model`` (hidden, ffn, seq_len; the vocabulary
+is scaled to the model's), takes every byte from the model's shapes, imports Aceso's
+``prim_*`` collective tables and ``p2p_intra_node.csv``, and marks the op times as including
+the tp all-reduces.  A Sailor import (eth/profiles/sailor.py) reads the layer times Sailor
+measured in Megatron-DeepSpeed and spreads them over the ops.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from eth.profiles.aceso import import_aceso
+from eth.profiles.aceso import DEFAULT_PATTERN, import_aceso
+from eth.profiles.sailor import import_sailor
 from eth.cli.common import int_list, run_main
 from eth.spec.cluster import catalog
 from eth.errors import SpecError
@@ -117,18 +122,35 @@ def _main(argv=None) -> int:
                          "folder holds several models' CSVs")
     ap.add_argument("--size-unit-bytes", type=float, default=2 ** 20,
                     help="unit of the CSV size columns (Aceso writes MB)")
+    ap.add_argument("--aceso-pattern", metavar="PATTERN", default=None,
+                    help="names of the op CSVs, with {model}, {mbs}, {tp} and optionally {algo} "
+                         "(default: {model}_mbs{mbs}_tp{tp}_algo{algo}.csv, Aceso's and Sailor's)")
+    ap.add_argument("--aceso-absent", metavar="OPS", default="",
+                    help="comma-separated ops the CSVs time that the model does not have (e.g. "
+                         "head+loss for a pipeline that ends at its final layernorm): no time, no bytes")
+    ap.add_argument("--import-sailor", metavar="FILE",
+                    help="Sailor's layer profiles (profiles_tmp.json) to import, with --sailor-model, "
+                         "--sailor-gpu, --device and --model")
+    ap.add_argument("--sailor-model", metavar="NAME", help="the model's name in the Sailor file (e.g. OPT-350)")
+    ap.add_argument("--sailor-gpu", metavar="NAME", help="the GPU's name in the Sailor file (e.g. GH-96)")
     args = ap.parse_args(argv)
     out = Path(args.output)
 
-    if args.aceso_model and not args.import_aceso:
-        raise SpecError("--aceso-model only applies with --import-aceso DIR")
+    for flag, value in (("--aceso-model", args.aceso_model), ("--aceso-pattern", args.aceso_pattern),
+                        ("--aceso-absent", args.aceso_absent)):
+        if value and not args.import_aceso:
+            raise SpecError(f"{flag} only applies with --import-aceso DIR")
+    if args.import_sailor:
+        return _import_sailor(args, out)
     if args.import_aceso:
         if args.gemm_efficiency != "applied":
             raise SpecError("--gemm-efficiency applies to analytic profiles, not to --import-aceso")
         if not args.device or not args.model:
             raise SpecError("--import-aceso needs --device and --model")
+        absent = tuple(op.strip() for op in args.aceso_absent.split(",") if op.strip())
         data = import_aceso(args.import_aceso, args.device, model_from_args(args),
-                            args.size_unit_bytes, aceso_model=args.aceso_model)
+                            args.size_unit_bytes, aceso_model=args.aceso_model,
+                            pattern=args.aceso_pattern or DEFAULT_PATTERN, absent=absent)
         n = sum(len(m["entries"]) for m in data["models"])
         if n == 0:
             raise SpecError(f"{args.import_aceso} holds no (mbs, tp) entry for {args.model}; nothing written")
@@ -162,6 +184,26 @@ def _main(argv=None) -> int:
     merged = sum(m for _, _, m in files)
     print(f"wrote analytic profiles for {len(names)} device types x {len(models)} models to {out}/"
           + (f" (merged into {merged} existing files)" if merged else ""))
+    return 0
+
+
+def _import_sailor(args, out: Path) -> int:
+    """``--import-sailor FILE``: Sailor's layer profiles of one model and GPU (eth/profiles/sailor.py)."""
+    missing = [f for f, v in (("--sailor-model", args.sailor_model), ("--sailor-gpu", args.sailor_gpu),
+                              ("--device", args.device), ("--model", args.model)) if not v]
+    if missing:
+        raise SpecError(f"--import-sailor needs {', '.join(missing)}")
+    types = catalog()
+    if args.device not in types:
+        raise SpecError(f"--device {args.device!r} is not in the device catalog ({', '.join(types)}); the "
+                        f"layer times are spread over the ops by that type's analytic profile")
+    data = import_sailor(args.import_sailor, args.sailor_model, args.sailor_gpu, types[args.device],
+                         model_from_args(args))
+    data, merged = _merged(data, out)
+    save_profile(data, out)
+    n = sum(len(m["entries"]) for m in data["models"])
+    print(f"imported {n} (mbs, tp) entries of {args.sailor_model} on {args.sailor_gpu} for {args.device} into "
+          f"{out}" + (" (merged into the existing file)" if merged else ""))
     return 0
 
 

@@ -7,19 +7,20 @@ Aceso's op profiler writes one CSV per (model, size, mbs, tp, algo)::
     fwd_reserved,bwd_reserved
 
 with the times in microseconds (it scales seconds by 1e6; its own cost model divides
-by 1000) and the sizes in MB of 2**20 bytes for one tp rank.  ``activations`` is the
-memory the op's forward left allocated, i.e. the tensors the op *produced* (its output
-and what it saved of its own, such as a dropout mask or layernorm statistics).  Our
-profiles give each op the bytes it *keeps for backward* (docs/FORMATS.md), so the
-import moves a tensor from its producer to the op that keeps it:
+by 1000) and the sizes in MB of 2**20 bytes for one tp rank.  Other tools write the same
+CSVs under other names (Sailor: ``OPT-350_mbs1_tp1_algo0.csv``): ``pattern`` names them,
+with ``{model}``, ``{mbs}``, ``{tp}`` and ``{algo}`` standing for the fields
+(:data:`DEFAULT_PATTERN`).
 
-    act(op) = max(activations - output_size, 0)        what the op saved of its own
-            + input_size    if the op keeps its input   (KEEPS_INPUT: GEMMs, layernorms, gelu)
-            + output_size   if the op keeps its output  (KEEPS_OUTPUT: softmax)
-
-Input sizes come from the keeper's own ``input_size`` column, so a tensor that Aceso
-passes along an op unused (its "extra" tensors, e.g. v past score) counts at each op
-that lists it: the import errs on the side of more memory.
+Profiles give times; bytes come from shapes.  The weight, activation, input and output
+bytes of every op are those of our tensor-level model (:func:`eth.spec.model.op_shapes`
+at the CSVs' element size, 1-byte dropout masks), the bytes the runtime's allocator
+holds; the CSVs' own columns are a cross-check only.  Aceso's ``activations`` column is
+what an op's forward left allocated, i.e. the tensors it *produced*; moved to the op
+that keeps each of them (:func:`read_op_csv`) it charges a tensor that only passes
+through an op (the residual stream) to every op that keeps its input, and so
+over-counts: the ratio of the CSVs' layer bytes to the model's is kept in
+``provenance.act_imported_over_model`` ([least, most] over the entries).
 
 The communication profiler writes ``prim_{model}_{size}_{collective}_{n}gpus.csv`` with
 header ``data_size(MB),time(ms)`` (times already in ms; the size is one rank's tensor,
@@ -39,24 +40,37 @@ imported (between nodes the cluster's ``inter_node_gbps`` applies).
 Aceso measures ops with a real tp group, so the imported op times include the tp
 all-reduces: the profile says ``"tp_comm_included": true`` and the cost model adds none.
 Before anything is written, the model's shape is checked against the CSVs' weight columns,
-exactly (:func:`check_shape`: qkv, mlp-gemm-1, embedding and head fix hidden, the kv
-width, ffn, vocab and seq_len); the softmax's activations (heads) only warn, since that
-column is noisy in Aceso's own CSVs.  The warnings are printed and kept in the profile's
+exactly (:func:`check_shape`: qkv, mlp-gemm-1 and the embedding fix hidden, the kv width,
+ffn and seq_len); the softmax's activations (heads) only warn, since that column is
+noisy in Aceso's own CSVs.  The warnings are printed and kept in the profile's
 ``provenance.warnings``.
+
+What depends on the vocabulary is scaled to the model's instead of refused: the CSVs'
+vocabulary is read from the head's weights (``vocab / tp x hidden`` elements), and the
+head's times and the embedding's backward (the dense gradient of its table) are scaled
+by model vocab / CSV vocab (:func:`scale_vocab`; ``provenance.csv_vocab``).  A model
+without dropout runs no dropout kernels: attn-dropout keeps no time when the model's
+attention dropout is 0, post-attn-dropout and post-mlp-dropout none when its hidden
+dropout is 0 (:func:`not_run`, ``provenance.dropout_ops_not_run``; their bytes are the
+shapes', without masks); ops the model does not have at all are given as ``absent``.
 """
 from __future__ import annotations
 
 import csv
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
 from eth.errors import ProfileError
 from eth.spec.model import ACT_BYTES, ALL_OPS, ModelSpec, all_ops, layer_ops, op_shapes
-from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, SHAPE_FIELDS
+from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, shape_dict
 
 US_PER_MS = 1000.0
-OP_FILE = re.compile(r"^(?P<prefix>[A-Za-z0-9.-]+_.+?)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv$")
+DEFAULT_PATTERN = "{model}_mbs{mbs}_tp{tp}_algo{algo}.csv"
+"""Aceso's op CSV names (``gpt_1_3B_mbs4_tp2_algo0.csv``); Sailor's fit it too."""
+PATTERN_FIELDS = ("model", "mbs", "tp", "algo")
+HIDDEN_DROPOUT_OPS = ("post-attn-dropout", "post-mlp-dropout")
 PRIM_FILE = re.compile(r"^prim_(?P<prefix>.+)_(?P<kind>all_reduce|all_gather|reduce_scatter|all_to_all)"
                        r"_(?P<n>\d+)gpus\.csv$")
 OP_HEADER = ["op_name", "forward-compute", "backward-compute", "input_size", "output_size",
@@ -79,13 +93,37 @@ ALIASES = MappingProxyType({
 })
 CSV_ROUNDING = 0.0015 * 2 ** 20    # Aceso writes sizes in MB with 3 decimals
 # The weight columns the shape is checked on, exactly (to the CSV's rounding): op ->
-# (the GEMM weight elements of one tp rank, biases excluded, the flags that set them)
+# (the GEMM weight elements of one tp rank, biases excluded, the flags that set them);
+# the head's column gives the CSVs' vocabulary, the embedding's (words + positions) then seq_len
 WEIGHT_CHECKS = {
     "qkv": (lambda m, tp: m.hidden * m.qkv_width // tp, ("--hidden-size", "--num-query-groups")),
     "mlp-gemm-1": (lambda m, tp: m.hidden * m.ffn // tp, ("--hidden-size", "--ffn-hidden-size")),
-    "embedding": (lambda m, tp: (m.vocab // tp + m.seq_len) * m.hidden, ("--vocab-size", "--seq-length")),
-    "head+loss": (lambda m, tp: m.vocab // tp * m.hidden, ("--vocab-size",)),
+    "embedding": (lambda m, tp: (m.vocab // tp + m.seq_len) * m.hidden, ("--seq-length",)),
 }
+
+
+def not_run(model: ModelSpec) -> tuple[str, ...]:
+    """The CSVs' dropout ops ``model`` does not run: attn-dropout without attention
+    dropout, the post-attention and post-MLP dropouts without hidden dropout."""
+    return (("attn-dropout",) if model.attn_dropout == 0 else ()) + \
+        (HIDDEN_DROPOUT_OPS if model.dropout == 0 else ())
+
+
+def op_file_regex(pattern: str = DEFAULT_PATTERN) -> re.Pattern:
+    """The regular expression of an op CSV name ``pattern``: ``{model}`` any text, ``{mbs}``,
+    ``{tp}`` and ``{algo}`` numbers (``{algo}`` may be left out: algo 0); ProfileError
+    when a field is missing, repeated or unknown."""
+    parts = re.split(r"\{(\w*)\}", pattern)
+    names = parts[1::2]
+    bad = sorted(set(names) - set(PATTERN_FIELDS))
+    missing = [f for f in ("model", "mbs", "tp") if f not in names]
+    if bad or missing or len(names) != len(set(names)):
+        raise ProfileError(f"CSV name pattern {pattern!r} must hold {{model}}, {{mbs}} and {{tp}} once each "
+                           f"(and may hold {{algo}}); fields found: {names}")
+    regex = "".join(re.escape(text) if i % 2 == 0 else
+                    (r"(?P<model>.+?)" if text == "model" else rf"(?P<{text}>\d+)")
+                    for i, text in enumerate(parts))
+    return re.compile(f"^{regex}$")
 
 
 def aceso_op(name: str) -> str | None:
@@ -118,7 +156,16 @@ def _numbers(path, lineno, row):
 
 
 def read_op_csv(path: Path, unit: float) -> tuple[dict, float, dict]:
-    """({op: profile row}, reserved bytes, {op: raw CSV sizes in bytes}) of one op CSV."""
+    """({op: profile row}, reserved bytes, {op: raw CSV sizes in bytes}) of one op CSV.
+
+    The row's activation bytes are Aceso's, moved from the producing op to the op that
+    keeps them:
+
+        act(op) = max(activations - output_size, 0)        what the op saved of its own
+                + input_size    if the op keeps its input   (KEEPS_INPUT: GEMMs, layernorms, gelu)
+                + output_size   if the op keeps its output  (KEEPS_OUTPUT: softmax)
+
+    :func:`import_aceso` replaces them by the tensor-level model's and keeps their ratio."""
     ops, raw, reserved = {}, {}, 0.0
     for lineno, row in _rows(path, OP_HEADER):
         op = aceso_op(row[0])
@@ -136,32 +183,44 @@ def read_op_csv(path: Path, unit: float) -> tuple[dict, float, dict]:
     return ops, reserved, raw
 
 
-def check_shape(path: Path, raw: dict, model: ModelSpec, mbs: int, tp: int) -> tuple[int, list[str]]:
+def csv_vocab(raw: dict, model: ModelSpec, tp: int, size: int) -> int:
+    """The vocabulary of the CSV whose head weights are ``raw["head+loss"]["weights"]``
+    (``vocab / tp x hidden`` elements of ``size`` bytes)."""
+    return round(raw["head+loss"]["weights"] / (model.hidden * size)) * tp
+
+
+def check_shape(path: Path, raw: dict, model: ModelSpec, mbs: int, tp: int) -> tuple[int, int, list[str]]:
     """Refuse a CSV whose weight columns do not fit ``model`` exactly (ProfileError).
 
     Aceso's ``weights`` column holds an op's GEMM weights (the element size of the CSV's
     precision, biases excluded; a CSV that counts the biases too is accepted as well):
-    qkv and mlp-gemm-1 fix hidden, the kv width and ffn, the embedding (vocab-parallel
-    words + the whole position table) and the head fix vocab and seq_len.  Returns the
-    element size (2 or 4 bytes, from qkv) and the warnings of the noisy ``activations``
-    column (the softmax's, which gives heads x seq^2, is off by up to 3x in some of
-    Aceso's own CSVs): a warning with the numbers, not an error."""
-    shapes = op_shapes(model, mbs, tp)
-    elems = {op: fn(model, tp) for op, (fn, _) in WEIGHT_CHECKS.items()}
-    def fits(op, size):
-        got, want = raw[op]["weights"], elems[op] * size
+    qkv and mlp-gemm-1 fix hidden, the kv width and ffn; the head gives the CSV's
+    vocabulary (:func:`csv_vocab`, which may differ from the model's: :func:`scale_vocab`)
+    and the embedding (vocab-parallel words + the whole position table) then seq_len.
+    Returns the element size (2 or 4 bytes, from qkv), the CSV's vocabulary and the
+    warnings of the noisy ``activations`` column (the softmax's, which gives heads x
+    seq^2, is off by up to 3x in some of Aceso's own CSVs): a warning with the numbers,
+    not an error."""
+    def fits(op, size, spec):
+        got, want = raw[op]["weights"], WEIGHT_CHECKS[op][0](spec, tp) * size
         bias = shapes[op].weight_bytes / ACT_BYTES * size - want          # with the biases counted
         return min(abs(got - want), abs(got - want - bias)) <= CSV_ROUNDING
 
-    size = 4 if fits("qkv", 4) else 2          # fp32 CSVs; fp16 / bf16 otherwise
-    for op, (_, flags) in WEIGHT_CHECKS.items():
-        got, want = raw[op]["weights"], elems[op] * size
-        if not fits(op, size):
+    shapes = op_shapes(model, mbs, tp)
+    size = 4 if fits("qkv", 4, model) else 2          # fp32 CSVs; fp16 / bf16 otherwise
+    vocab = csv_vocab(raw, model, tp, size)
+    if vocab <= 0 or vocab % tp:
+        raise ProfileError(f"{path.name}: head+loss weights {raw['head+loss']['weights'] / 2 ** 20:.3f} MB "
+                           f"give no vocabulary divisible by tp {tp} at hidden {model.hidden}")
+    spec = replace(model, vocab=vocab)
+    for op, (fn, flags) in WEIGHT_CHECKS.items():
+        got, want = raw[op]["weights"], fn(spec, tp) * size
+        if not fits(op, size, spec):
             raise ProfileError(
                 f"{path.name}: {op} weights {got / 2 ** 20:.3f} MB, but model {model.name} (hidden "
-                f"{model.hidden}, kv_heads {model.kv_heads}, ffn {model.ffn}, vocab {model.vocab}, seq "
-                f"{model.seq_len}) at tp {tp} in {size}-byte elements gives {want / 2 ** 20:.3f} MB; describe "
-                f"the CSVs' model with --model and {', '.join(flags)}")
+                f"{model.hidden}, kv_heads {model.kv_heads}, ffn {model.ffn}, seq {model.seq_len}; the "
+                f"CSV's vocab {vocab}) at tp {tp} in {size}-byte elements gives {want / 2 ** 20:.3f} MB; "
+                f"describe the CSVs' model with --model and {', '.join(flags)}")
     warnings = []
     want = shapes["softmax"].output_bytes / ACT_BYTES * size
     got = raw["softmax"]["activations"]
@@ -169,7 +228,29 @@ def check_shape(path: Path, raw: dict, model: ModelSpec, mbs: int, tp: int) -> t
         warnings.append(f"{path.name}: softmax activations {got / 2 ** 20:.3f} MB, model {model.name} (heads "
                         f"{model.heads}, seq {model.seq_len}) at mbs {mbs}, tp {tp} gives {want / 2 ** 20:.3f} MB "
                         f"(imported as measured; the weights agree)")
-    return size, warnings
+    return size, vocab, warnings
+
+
+def scale_vocab(ops: dict, ratio: float) -> None:
+    """Scale the vocabulary-dependent times of ``ops`` (op -> profile row, in place) by
+    ``ratio`` = model vocab / CSV vocab: the head's forward and backward (vocab-parallel
+    GEMM and cross entropy) and the embedding's backward (the dense gradient of its
+    table); the embedding's forward is a look-up of ``b x s`` rows."""
+    ops["head+loss"][0] *= ratio
+    ops["head+loss"][1] *= ratio
+    ops["embedding"][1] *= ratio
+
+
+def model_bytes(ops: dict, model: ModelSpec, mbs: int, tp: int, size: int) -> float:
+    """Replace the byte fields of ``ops`` (op -> profile row, in place) by the tensor-level
+    model's at element size ``size`` (weights, kept activations, input, output); returns
+    the ratio of the replaced activation bytes of the layer ops to the model's."""
+    shapes = op_shapes(model, mbs, tp, elem_bytes=size)
+    imported = sum(ops[op][3] for op in layer_ops(model))
+    for op, row in ops.items():
+        sh = shapes[op]
+        row[2:] = [sh.weight_bytes, sh.act_bytes, sh.input_bytes, sh.output_bytes]
+    return imported / sum(shapes[op].act_bytes for op in layer_ops(model))
 
 
 def read_prim_csv(path: Path, kind: str, n: int, unit: float) -> list[list[float]]:
@@ -205,14 +286,15 @@ def read_p2p_csv(path: Path) -> list[list[float]]:
     return sorted([mb * 2 ** 20, mb / 1024 / gbs * 1e3] for mb, gbs in pairs)
 
 
-def _choose_prefix(folder: Path, found: set[str], aceso_model: str | None, algo: int) -> str:
+def _choose_prefix(folder: Path, found: set[str], aceso_model: str | None, algo: int, pattern: str) -> str:
     if aceso_model is not None:
         if aceso_model not in found:
             raise ProfileError(f"{folder} has no op CSVs of Aceso model {aceso_model!r} (algo {algo}); "
                                f"it holds: {', '.join(sorted(found)) or 'none'}")
         return aceso_model
     if not found:
-        raise ProfileError(f"{folder} has no files named {{model}}_{{size}}_mbs{{m}}_tp{{t}}_algo{algo}.csv")
+        raise ProfileError(f"{folder} has no files named {pattern} (algo {algo}); name the files' pattern "
+                           f"with --aceso-pattern")
     if len(found) > 1:
         raise ProfileError(f"{folder} holds op CSVs of {len(found)} Aceso models ({', '.join(sorted(found))}); "
                            f"choose one with --aceso-model")
@@ -220,30 +302,50 @@ def _choose_prefix(folder: Path, found: set[str], aceso_model: str | None, algo:
 
 
 def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float = 2 ** 20,
-                 algo: int = 0, aceso_model: str | None = None) -> dict:
+                 algo: int = 0, aceso_model: str | None = None, pattern: str = DEFAULT_PATTERN,
+                 absent: tuple[str, ...] = ()) -> dict:
     """Read an Aceso profile folder into a profile dict for ``device`` (see module docstring).
 
-    ``aceso_model`` (e.g. "gpt_1_3B", Aceso's ``{model}_{size}``) selects the CSVs of one
-    model in a folder that holds several; without it the folder must hold exactly one.
+    ``aceso_model`` (e.g. "gpt_1_3B", Aceso's ``{model}_{size}``, or what ``{model}`` of
+    ``pattern`` matched) selects the CSVs of one model in a folder that holds several;
+    without it the folder must hold exactly one.  ``absent``: ops the CSVs time that the
+    model as it runs does not have (an attention dropout it never applies, an output head
+    it has not: GPT-Neo's pipeline in Megatron-DeepSpeed ends at its final layernorm);
+    they keep no time and no bytes, as the dropout ops of a model without dropout.
     """
+    unknown = [op for op in absent if op not in ALL_OPS]
+    if unknown:
+        raise ProfileError(f"absent op(s) {unknown} are not ops of the CSVs; they hold {', '.join(ALL_OPS)}")
     folder = Path(folder)
     if all_ops(model) != ALL_OPS:
         raise ProfileError(f"Aceso CSVs hold the GPT op set (layernorm, learned positions, unfused "
                            f"attention, gelu); model {model.name} has ops {list(layer_ops(model))}")
     if not folder.is_dir():
         raise ProfileError(f"Aceso profile folder {folder} does not exist")
-    files = [(p, OP_FILE.match(p.name)) for p in sorted(folder.glob("*.csv"))]
-    files = [(p, m) for p, m in files if m and int(m["algo"]) == algo]
-    prefix = _choose_prefix(folder, {m["prefix"] for _, m in files}, aceso_model, algo)
-    entries, sizes, warnings = [], set(), []
+    regex = op_file_regex(pattern)
+    files = [(p, regex.match(p.name)) for p in sorted(folder.glob("*.csv"))]
+    files = [(p, m) for p, m in files if m and int(m.groupdict().get("algo") or 0) == algo]
+    prefix = _choose_prefix(folder, {m["model"] for _, m in files}, aceso_model, algo, pattern)
+    entries, sizes, vocabs, ratios, warnings = [], set(), set(), [], []
     for path, m in files:
-        if m["prefix"] != prefix:
+        if m["model"] != prefix:
             continue
         mbs, tp = int(m["mbs"]), int(m["tp"])
+        if not model.splits(tp):
+            warnings.append(f"{path.name}: skipped, tp {tp} does not split model {model.name}")
+            continue
         ops, reserved, raw = read_op_csv(path, size_unit_bytes)
-        size, found = check_shape(path, raw, model, mbs, tp)
+        size, vocab, found = check_shape(path, raw, model, mbs, tp)
         sizes.add(size)
+        vocabs.add(vocab)
         warnings += found
+        if vocab != model.vocab:
+            scale_vocab(ops, model.vocab / vocab)
+        ratios.append(model_bytes(ops, model, mbs, tp, size))
+        for op in not_run(model):
+            ops[op][:2] = [0.0, 0.0]        # the shapes keep no mask; the residual add's bytes stay
+        for op in absent:
+            ops[op][:] = [0.0] * len(OP_FIELDS)
         entries.append({"mbs": mbs, "tp": tp, "reserved_bytes": reserved or RESERVED_BYTES, "ops": ops})
     if len(sizes) > 1:
         raise ProfileError(f"{folder}: the CSVs of {prefix} mix 2- and 4-byte weights (fp16 and fp32 runs)")
@@ -258,16 +360,21 @@ def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float =
     if (folder / "p2p_intra_node.csv").is_file():
         collectives["p2p"] = {"2": read_p2p_csv(folder / "p2p_intra_node.csv")}
     data = {"version": PROFILE_VERSION, "device": device, "source": "aceso-csv",
-            "provenance": {"imported_from": str(folder), "aceso_model": prefix, "algo": algo,
-                           "size_unit_bytes": size_unit_bytes,
+            "provenance": {"imported_from": folder.name, "aceso_model": prefix, "algo": algo,
+                           "pattern": pattern, "size_unit_bytes": size_unit_bytes,
                            "op_times": "Aceso microseconds / 1000",
-                           "act_bytes": "moved from the producing op to the op that keeps it (eth/profiles/aceso.py)",
+                           "act_bytes": "the tensor-level model's (eth.spec.model.op_shapes)",
+                           "act_imported_over_model": [round(min(ratios), 4), round(max(ratios), 4)]
+                           if ratios else None,
+                           "csv_vocab": sorted(vocabs), "model_vocab": model.vocab,
+                           "dropout_ops_not_run": list(not_run(model)),
+                           "absent_ops": list(absent),
                            "p2p": ("p2p_intra_node.csv (last run)" if "p2p" in collectives
                                    else "alpha-beta (no p2p_intra_node.csv)"),
                            "dtype_bytes": next(iter(sizes), 2), "warnings": warnings},
             "op_fields": list(OP_FIELDS), "tp_comm_included": True,
             "models": [{"name": model.name, "source": "aceso-csv", "tp_comm_included": True,
-                        "shape": {f: getattr(model, f) for f in SHAPE_FIELDS}, "entries": entries}]}
+                        "shape": shape_dict(model), "entries": entries}]}
     if collectives:
         data["collectives"] = collectives
     return data

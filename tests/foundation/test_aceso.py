@@ -3,12 +3,12 @@ from dataclasses import replace
 
 import pytest
 
-from eth.profiles.aceso import import_aceso
+from eth.profiles.aceso import import_aceso, read_op_csv
 from eth.cli.make_profiles import main as make_profiles
 from eth.spec.cluster import Cluster
 from eth.cost.model import CostModel
 from eth.errors import ProfileError
-from eth.spec.model import ALL_OPS, get_model, op_shapes
+from eth.spec.model import ALL_OPS, get_model, layer_ops, op_shapes
 from eth.profiles.db import DeviceProfile, ProfileDB, analytic_profile, load_profile
 
 from _foundation_data import ACESO_NAMES as NAMES
@@ -37,7 +37,9 @@ def write_prim(folder, name, rows):
     (folder / name).write_text("data_size(MB),time(ms)\n" + "".join(f"{a},{b}\n" for a, b in rows))
 
 
-def test_times_are_microseconds_and_activations_move_to_their_keeper(tmp_path):
+def test_times_are_microseconds_and_bytes_come_from_shapes(tmp_path):
+    """Times are Aceso's microseconds; every byte field is the tensor-level model's (the
+    CSVs' columns, however they are, only give the cross-check ratio)."""
     overrides = {"1st-layernorm": (8.0, 8.0, 8.25),   # output 8 MB + 0.25 MB statistics it keeps
                  "qkv": (8.0, 24.0, 24.0),            # keeps its 8 MB input, not its output
                  "softmax": (128.0, 128.0, 128.0),    # keeps its own output
@@ -49,12 +51,75 @@ def test_times_are_microseconds_and_activations_move_to_their_keeper(tmp_path):
     ops, reserved = DeviceProfile(data).layer_costs(GPT13, 1, 1)
     assert ops["qkv"].fwd_ms == 1.5 and ops["qkv"].bwd_ms == 3.0          # 1500 us, 3000 us
     assert DeviceProfile(data).layer_costs(GPT13, 2, 1)[0]["gelu"].fwd_ms == 2.5
-    assert ops["qkv"].act_bytes == 8 * MB
-    assert ops["1st-layernorm"].act_bytes == pytest.approx((8 + 0.25) * MB)
-    assert ops["softmax"].act_bytes == 128 * MB
-    assert ops["attn-dropout"].act_bytes == 64 * MB
-    assert ops["qkv"].weight_bytes == pytest.approx(op_shapes(GPT13, 1, 1)["qkv"].weight_bytes, rel=1e-4)
+    for mbs in (1, 2):
+        ops = DeviceProfile(data).layer_costs(GPT13, mbs, 1)[0]
+        for op, sh in op_shapes(GPT13, mbs, 1).items():      # 2-byte CSVs: 2-byte shapes
+            assert (ops[op].weight_bytes, ops[op].act_bytes, ops[op].input_bytes, ops[op].output_bytes) == \
+                (sh.weight_bytes, sh.act_bytes, sh.input_bytes, sh.output_bytes), op
+    # the CSVs' bytes moved to their keepers (read_op_csv) over the model's layer bytes, least and most
+    ratios = []
+    for mbs in (1, 2):
+        moved = read_op_csv(tmp_path / f"gpt_1_3B_mbs{mbs}_tp1_algo0.csv", MB)[0]
+        ratios.append(sum(moved[op][3] for op in layer_ops(GPT13))
+                      / sum(op_shapes(GPT13, mbs, 1)[op].act_bytes for op in layer_ops(GPT13)))
+    assert data["provenance"]["act_imported_over_model"] == [round(min(ratios), 4), round(max(ratios), 4)]
+    assert ratios[0] != ratios[1]
+    assert data["provenance"]["csv_vocab"] == [GPT13.vocab]
     assert reserved == 6 * MB
+
+
+def test_sailor_file_names_fp32_sizes_and_a_pattern_option(tmp_path):
+    """Sailor's CSVs (``OPT-350_mbs1_tp1_algo0.csv``) fit the default pattern; other names
+    are read through ``pattern``; fp32 CSVs give 4-byte shapes."""
+    opt = get_model("gpt3-350m", vocab=50688, dropout=0.0)
+    fp32 = {op: s.weight_bytes * 2 / MB for op, s in op_shapes(opt, 1, 1).items()}
+    write_ops(tmp_path, prefix="OPT-350", model=opt, weights=fp32)
+    data = import_aceso(tmp_path, "GH200", opt)
+    assert data["provenance"]["aceso_model"] == "OPT-350" and data["provenance"]["dtype_bytes"] == 4
+    ops = DeviceProfile(data).layer_costs(opt, 1, 1)[0]
+    assert ops["softmax"].act_bytes == op_shapes(opt, 1, 1, elem_bytes=4)["softmax"].act_bytes
+    assert ops["qkv"].weight_bytes == op_shapes(opt, 1, 1, elem_bytes=4)["qkv"].weight_bytes
+    (tmp_path / "OPT-350_mbs1_tp1_algo0.csv").rename(tmp_path / "prof-OPT-350-b1-t1.csv")
+    with pytest.raises(ProfileError, match=r"no files named \{model\}_mbs\{mbs\}_tp\{tp\}_algo\{algo\}.csv "
+                                           r"\(algo 0\); name the files' pattern with --aceso-pattern"):
+        import_aceso(tmp_path, "GH200", opt)
+    data = import_aceso(tmp_path, "GH200", opt, pattern="prof-{model}-b{mbs}-t{tp}.csv")
+    assert [(e["mbs"], e["tp"]) for e in data["models"][0]["entries"]] == [(1, 1)]
+    with pytest.raises(ProfileError, match=r"must hold \{model\}, \{mbs\} and \{tp\} once each"):
+        import_aceso(tmp_path, "GH200", opt, pattern="prof-{model}-b{mbs}.csv")
+
+
+def test_vocabulary_is_scaled_not_refused_and_dropout_ops_not_run_keep_no_time(tmp_path):
+    """CSVs of another vocabulary: the head's times and the embedding's backward scale
+    by model / CSV vocabulary; a model without (attention) dropout runs no dropout ops."""
+    write_ops(tmp_path, us=1000.0)
+    base = DeviceProfile(import_aceso(tmp_path, "A100", GPT13)).layer_costs(GPT13, 1, 1)[0]
+    small = replace(GPT13, vocab=25152)                      # half of 50304
+    data = import_aceso(tmp_path, "A100", small)
+    ops = DeviceProfile(data).layer_costs(small, 1, 1)[0]
+    assert data["provenance"]["csv_vocab"] == [50304] and data["provenance"]["model_vocab"] == 25152
+    assert (ops["head+loss"].fwd_ms, ops["head+loss"].bwd_ms) == (0.5, 1.0)
+    assert (ops["embedding"].fwd_ms, ops["embedding"].bwd_ms) == (1.0, 1.0)
+    assert ops["head+loss"].weight_bytes == op_shapes(small, 1, 1)["head+loss"].weight_bytes
+    assert ops["qkv"].fwd_ms == base["qkv"].fwd_ms == 1.0
+    # no dropout at all: the three dropout ops keep no time and no mask
+    none = replace(GPT13, dropout=0.0)
+    ops = DeviceProfile(import_aceso(tmp_path, "A100", none)).layer_costs(none, 1, 1)[0]
+    assert [ops[op].fwd_ms + ops[op].bwd_ms for op in ("attn-dropout", "post-attn-dropout", "post-mlp-dropout")] \
+        == [0.0, 0.0, 0.0]
+    assert ops["attn-dropout"].act_bytes == 0 and ops["gelu"].fwd_ms == 1.0
+    # hidden dropout without attention dropout (GPT-Neo in Megatron-DeepSpeed): attn-dropout
+    # keeps no time, context keeps no second copy of the probabilities
+    neo = replace(GPT13, attention_dropout=0.0)
+    ops = DeviceProfile(import_aceso(tmp_path, "A100", neo)).layer_costs(neo, 1, 1)[0]
+    assert ops["attn-dropout"].fwd_ms == 0.0 and ops["post-attn-dropout"].fwd_ms == 1.0
+    assert ops["context"].act_bytes == 0 < base["context"].act_bytes
+    # an op the model does not have (GPT-Neo's pipeline has no head): no time, no bytes
+    data = import_aceso(tmp_path, "A100", GPT13, absent=("head+loss",))
+    head = DeviceProfile(data).layer_costs(GPT13, 1, 1)[0]["head+loss"]
+    assert (head.fwd_ms, head.bwd_ms, head.weight_bytes, head.act_bytes) == (0, 0, 0, 0)
+    with pytest.raises(ProfileError, match=r"absent op\(s\) \['lm-head'\] are not ops of the CSVs"):
+        import_aceso(tmp_path, "A100", GPT13, absent=("lm-head",))
 
 
 def test_imported_times_give_a_plausible_stage_and_no_extra_tp_comm(tmp_path):
@@ -92,12 +157,11 @@ def test_shape_mismatch_is_refused_naming_the_numbers(tmp_path):
                                            r"gpt3-2.6b \(hidden 2560, .*\) at tp 1 in 2-byte elements gives "
                                            r"37.500 MB; describe the CSVs' model with --model and --hidden-size"):
         import_aceso(tmp_path, "A100", get_model("gpt3-2.6b"))
-    with pytest.raises(ProfileError, match=r"embedding weights 204.500 MB, but model gpt3-1.3b \(.*vocab 32000, "
-                                           r"seq 2048\) at tp 1 in 2-byte elements gives 133.000 MB"):
-        import_aceso(tmp_path, "A100", replace(GPT13, vocab=32000))
-    # exact: Aceso's vocabulary 51200 is not our 50304 (1.7% apart; the embedding states it)
-    with pytest.raises(ProfileError, match=r"embedding weights 204.500 MB, .* --vocab-size"):
-        import_aceso(tmp_path, "A100", replace(GPT13, vocab=51200))
+    # the vocabulary is the head's; the embedding then fixes seq_len
+    with pytest.raises(ProfileError, match=r"embedding weights 204.500 MB, but model gpt3-1.3b \(.*seq 4096; "
+                                           r"the CSV's vocab 50304\) at tp 1 in 2-byte elements gives 212.500 MB; "
+                                           r".* --seq-length"):
+        import_aceso(tmp_path, "A100", replace(GPT13, seq_len=4096))
     # the softmax's activations (heads) only warn: Aceso's own CSVs hold 3x that column
     data = import_aceso(tmp_path, "A100", replace(GPT13, heads=32, kv_heads=32))
     (warning,) = data["provenance"]["warnings"]
@@ -175,15 +239,20 @@ def test_intra_node_p2p_bandwidths_become_the_p2p_table(tmp_path):
 
 def test_cli_describes_acesos_own_model_with_megatron_flags(tmp_path, capsys):
     """Aceso's GPT-3 1.3B (32 heads, vocabulary 51200) is not our preset: Megatron's flags on
-    --model describe it; without them the vocabulary stated by the embedding refuses it."""
+    --model describe it; a model of another vocabulary takes the CSVs scaled to it."""
     aceso13 = replace(GPT13, heads=32, kv_heads=32, vocab=51200)
     src = tmp_path / "aceso"
     src.mkdir()
     write_ops(src, model=aceso13)
     out = tmp_path / "A100.json"
     base = ["--import-aceso", str(src), "--device", "A100", "-o", str(out), "--model", "gpt3-1.3b"]
-    assert make_profiles(base) == 2
-    assert "embedding weights" in capsys.readouterr().err and not out.exists()
     assert make_profiles(base + ["--num-attention-heads", "32", "--vocab-size", "51200"]) == 0
     shape = load_profile(out).data["models"][0]["shape"]
     assert (shape["heads"], shape["kv_heads"], shape["vocab"]) == (32, 32, 51200)
+    out.unlink()
+    assert make_profiles(base + ["--num-attention-heads", "32", "--aceso-absent", "head+loss"]) == 0
+    data = load_profile(out).data
+    assert data["provenance"]["csv_vocab"] == [51200] and data["models"][0]["shape"]["vocab"] == 50304
+    assert data["models"][0]["entries"][0]["ops"]["head+loss"] == [0.0] * 6
+    assert make_profiles(base + ["--aceso-absent", "head"]) == 2
+    assert "absent op(s) ['head'] are not ops of the CSVs" in capsys.readouterr().err
