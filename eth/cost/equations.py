@@ -38,9 +38,11 @@ class StageCost:
     memory_bytes: float
     capacity_bytes: float
     send_fwd_ms: float = 0.0
-    """Part of fwd_ms spent sending the activation to the next stage."""
+    """Part of fwd_ms spent sending the activation to the next stage (and, when
+    transfers block both ends, receiving the input from the previous one)."""
     send_bwd_ms: float = 0.0
-    """Part of bwd_ms spent sending the input gradient to the previous stage."""
+    """Part of bwd_ms spent sending the input gradient to the previous stage (and, when
+    transfers block both ends, receiving the output gradient from the next one)."""
 
     @property
     def total_ms(self) -> float:

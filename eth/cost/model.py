@@ -98,6 +98,12 @@ class CostModel(StageFloors, CutStages):
     profiles: ProfileDB
     setup: TrainSetup = field(default_factory=TrainSetup)
     """Precision, ZeRO stage and gradient dtype planned for (bf16, ZeRO 0, fp32 grads)."""
+    p2p_blocking: bool = False
+    """False (this runtime): a stage-boundary transfer is charged to the sending stage
+    only (the receiver has its receive posted: megatron-core's batched isend/irecv);
+    True: sends and receives block both ends (DeepSpeed's pipeline engine), so the
+    receiving stage's time holds the transfer as well: Tf_j + recv of its input
+    (j > 0), Tb_j + recv of its output gradient (j < S - 1)."""
     _cache: dict = field(default_factory=dict, repr=False)
     _links: dict = field(default_factory=dict, repr=False)
     """Slowest link (Gbit/s) of a rank tuple: tp groups and p2p pairs, memoised."""
@@ -178,7 +184,8 @@ class CostModel(StageFloors, CutStages):
         """The StageCost of a :meth:`_stage_shape` tuple at ``dp`` and ``inflight``."""
         fwd, bwd, recompute_ms, comm, params, act, reserved, send_f, send_b, transient = shape
         memory = (params * self.setup.state_bytes_per_param(dp)
-                  + self.peak_extra(params, inflight * max(act, 0.0) + transient) + reserved)
+                  + self.peak_extra(params, inflight * max(act, 0.0) + transient) + reserved
+                  + self.cluster.types[device_type].overhead_bytes)
         capacity = self.cluster.types[device_type].memory_bytes
         # StageCost(...) without the frozen dataclass's __init__ (11 object.__setattr__ calls)
         cost = object.__new__(StageCost)
@@ -314,6 +321,8 @@ class CostModel(StageFloors, CutStages):
         if not first:
             link = links[2]
             send_b = collective_ms("p2p", 2, boundary, link, self._measured(prof, device_type, link))
+        if self.p2p_blocking:   # the receives: the input from j - 1, the output gradient from j + 1
+            send_f, send_b = (send_f + (send_b if not first else 0.0), send_b + (send_f if not last else 0.0))
         oh = self.profiles.overheads(device_type, self.model, micro, tp)
         return (ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh,
                 self.backward_bytes(ops, last))

@@ -21,7 +21,8 @@ Per rank (:func:`rank_state_bytes`), what the runtime allocates:
     gradients  ZeRO 0: g x B of each of its buffers; ZeRO 1: g x N ceil(B / N)
                (padded); ZeRO 2 after the step: g x ceil(B / N) (its shard); during the
                backward pass ZeRO 2 holds the full padded buffers like ZeRO 1
-    optimizer  12 x the elements it steps: B with ZeRO 0, its shard
+    optimizer  12 x the elements it steps (8 when fp32 weights are stepped in place,
+               ``TrainSetup.optimizer_bytes``): B with ZeRO 0, its shard
                [i s, min((i + 1) s, B)) with s = ceil(B / N) with ZeRO 1/2
 
 AR_i^j of a stage (:func:`stage_allreduce_ms`, Eq. 6 with Gra from the block
@@ -39,7 +40,6 @@ from functools import lru_cache
 
 from eth.layout.params import block_position, block_specs, stage_blocks
 from eth.spec.plan import stage_holding
-from eth.spec.precision import OPTIMIZER_BYTES
 
 
 @lru_cache(maxsize=64)
@@ -106,7 +106,7 @@ def rank_state_bytes(plan, setup) -> dict[int, dict[str, int]]:
                 grads = s if setup.zero_stage == 2 else n * s
                 stepped = max(min((i + 1) * s, b) - min(i * s, b), 0)
             out[r]["grads"] += grads * setup.grad_bytes
-            out[r]["optimizer"] += stepped * OPTIMIZER_BYTES
+            out[r]["optimizer"] += stepped * setup.optimizer_bytes
     return out
 
 

@@ -18,14 +18,16 @@ analytic profile (:func:`eth.profiles.db.analytic_op_costs`: the ops' roofline s
 forward and backward apart); the embedding and the last layer likewise over their ops.
 Bytes come from shapes (:func:`eth.spec.model.op_shapes` at ``dtype_bytes`` per element),
 as for every profile source; the step becomes the entry's ``overhead_ms.optimizer`` per
-stage (``eth.cost.model.CostModel.optimizer_ms``).  ``absent`` ops (an output head the
+stage (``eth.cost.model.CostModel.optimizer_ms``).  Sailor measures no workspace: the
+entries reserve nothing, and the memory a rank holds beyond its tensors is the device
+type's ``overhead_gb``.  ``absent`` ops (an output head the
 model has not) keep no time and no bytes; the last layer's time goes to the others.
 """
 from __future__ import annotations
 
 from eth.errors import ProfileError
 from eth.fileio import read_json
-from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, RESERVED_BYTES, shape_dict, analytic_op_costs
+from eth.profiles.db import OP_FIELDS, PROFILE_VERSION, analytic_op_costs, shape_dict
 from eth.spec.cluster import DeviceType
 from eth.spec.model import ModelSpec, layer_ops, op_shapes, post_ops, pre_ops
 
@@ -82,7 +84,7 @@ def import_sailor(path, sailor_model: str, gpu: str, device: DeviceType, model: 
                 ops[op] = [0.0] * len(OP_FIELDS)
             step = rows["1"][2]
             steps.append(step)
-            entries.append({"mbs": mbs, "tp": tp, "reserved_bytes": RESERVED_BYTES, "ops": ops,
+            entries.append({"mbs": mbs, "tp": tp, "reserved_bytes": 0.0, "ops": ops,
                             "overhead_ms": {"optimizer": [0.0, step]}})
     if not entries:
         raise ProfileError(f"{path}: {sailor_model} on {gpu} has no tp that splits model {model.name}")

@@ -361,10 +361,12 @@ def plan_timings(plan, cost_model: CostModel, options: SimOptions = SimOptions()
                 bw = cost_model.cluster.types[st.device_type].mem_bw_gbs * 1e9 / 1e3  # bytes per ms
                 opt = c.params * cost_model.bytes_per_param * options.optimizer_passes / bw
             # the cost model folds the boundary sends into fwd/bwd; the simulator runs
-            # them as separate transfer events
-            stages.append(StageTiming(fwd_ms=c.fwd_ms - c.send_fwd_ms, bwd_ms=c.bwd_ms - c.send_bwd_ms,
-                                      recompute_ms=c.recompute_ms, send_fwd_ms=c.send_fwd_ms,
-                                      send_bwd_ms=c.send_bwd_ms, optimizer_ms=opt))
+            # them as separate transfer events, unless they block both ends
+            # (CostModel.p2p_blocking): then sender and receiver compute streams hold them
+            sends = (0.0, 0.0) if cost_model.p2p_blocking else (c.send_fwd_ms, c.send_bwd_ms)
+            stages.append(StageTiming(fwd_ms=c.fwd_ms - sends[0], bwd_ms=c.bwd_ms - sends[1],
+                                      recompute_ms=c.recompute_ms, send_fwd_ms=sends[0],
+                                      send_bwd_ms=sends[1], optimizer_ms=opt))
         pipelines.append(PipelineTiming(p.num_microbatches, tuple(stages)))
     return pipelines, allreduce_blocks(plan, cost_model)
 

@@ -13,7 +13,12 @@ order, node-major (rank = devices of all earlier nodes + local index)::
       cpu-slow: {base: cpu, emulate_speed: 0.25}
     nodes:
       - {type: 910B2, devices_per_node: 8, count: 4}
-      - {type: 910B4, devices_per_node: 8, count: 4}
+      - {type: 910B4, devices_per_node: 8, count: 4, nic_gbps: 400}   # optional: one card per node
+
+``nic_gbps`` (optional, per node group) is a node's network card, shared by its devices
+that talk to other nodes at the same time (:meth:`Cluster.link_gbps`); a device type may
+carry ``overhead_gb``, the memory a rank holds beyond its tensors (driver context,
+communicator buffers, the allocator's cache), which the cost model adds to every stage.
 
 ``emulate_speed`` (CPU runs only) tells the runtime to stretch the compute of ranks
 of that type by 1/emulate_speed, so heterogeneity can be shown on one machine.
@@ -51,12 +56,19 @@ class DeviceType:
     """Where the numbers come from."""
     emulate_speed: float = 0.0
     """CPU emulation only: relative speed (1 = native); 0 = no emulation."""
+    overhead_gb: float = 0.0
+    """Device memory every rank holds beyond its tensors, GB: the driver context, the
+    communicators' buffers, the allocator's cached blocks (what ``nvidia-smi`` shows
+    above the tensors).  The cost model adds it to every stage's memory."""
 
     def __post_init__(self):
         for name in ("tflops", "memory_gb", "link_gbps", "mem_bw_gbs"):
             value = getattr(self, name)
             if not is_number(value) or value <= 0:
                 raise SpecError(f"device type {self.name}: {name} must be a positive number, got {value!r}")
+        if not is_number(self.overhead_gb) or not 0 <= self.overhead_gb < self.memory_gb:
+            raise SpecError(f"device type {self.name}: overhead_gb must be >= 0 and below memory_gb "
+                            f"{self.memory_gb}, got {self.overhead_gb!r}")
         if not is_number(self.emulate_speed) or self.emulate_speed < 0:
             raise SpecError(f"device type {self.name}: emulate_speed must be >= 0, got {self.emulate_speed!r}")
 
@@ -64,8 +76,15 @@ class DeviceType:
     def memory_bytes(self) -> float:
         return self.memory_gb * 1e9
 
+    @property
+    def overhead_bytes(self) -> float:
+        return self.overhead_gb * 1e9
+
 
 _TYPE_FIELDS = {f.name for f in fields(DeviceType)} - {"name"}
+_OPTIONAL_ZERO = ("overhead_gb",)
+"""Fields a resolved cluster leaves out at 0 (so that plans written before they existed
+keep their hash)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,6 +100,10 @@ class NodeGroup:
     type: str
     devices_per_node: int
     count: int = 1
+    nic_gbps: float = 0.0
+    """Network card bandwidth of one node, shared by all its devices that communicate
+    with other nodes at once (Gbit/s); 0: no shared limit (each device has the cluster's
+    inter-node bandwidth of its own)."""
 
 
 @dataclass(frozen=True)
@@ -121,11 +144,16 @@ class Cluster:
                 value = getattr(group, key)
                 if not is_count(value):
                     raise SpecError(f"cluster.nodes[{i}].{key} must be a positive integer, got {value!r}")
+            if not is_number(group.nic_gbps) or group.nic_gbps < 0:
+                raise SpecError(f"cluster.nodes[{i}].nic_gbps must be a positive number (Gbit/s), "
+                                f"got {group.nic_gbps!r}")
             for _ in range(group.count):
                 for local in range(group.devices_per_node):
                     devices.append(Device(len(devices), node, local, group.type))
                 node += 1
         self.devices = devices
+        self.nic_gbps = [g.nic_gbps for g in self.nodes for _ in range(g.count)]
+        """Network card bandwidth of every node (0: none shared), by node index."""
         self.types = {name: t for name, t in self.types.items() if name in {g.type for g in self.nodes}}
 
     @property
@@ -142,15 +170,24 @@ class Cluster:
         return counts
 
     def link_gbps(self, ranks) -> float:
-        """Bandwidth of the slowest link a collective over ``ranks`` crosses (Gbit/s)."""
+        """Bandwidth of the slowest link a collective over ``ranks`` crosses (Gbit/s): the
+        intra-node link inside one node; between nodes the inter-node (one type) or
+        inter-type bandwidth, and at most a node's ``nic_gbps`` shared by the set's ranks
+        on that node."""
         ranks = list(ranks)
         nodes = {self.devices[r].node for r in ranks}
         if len(nodes) <= 1:
             kind = self.type_of(ranks[0])
             return self.intra_node_gbps or kind.link_gbps
-        if len({self.devices[r].type for r in ranks}) == 1:
-            return self.inter_node_gbps
-        return self.inter_type_gbps
+        gbps = self.inter_node_gbps if len({self.devices[r].type for r in ranks}) == 1 else self.inter_type_gbps
+        if any(self.nic_gbps[n] for n in nodes):
+            # every rank of the set on a node streams through that node's card at once
+            # (the tp shards of a gradient block are reduced concurrently)
+            on = {}
+            for r in ranks:
+                on[self.devices[r].node] = on.get(self.devices[r].node, 0) + 1
+            gbps = min([gbps] + [self.nic_gbps[n] / k for n, k in on.items() if self.nic_gbps[n]])
+        return gbps
 
     def to_dict(self) -> dict:
         """Self-contained form (device types resolved); embedded in plans."""
@@ -160,9 +197,11 @@ class Cluster:
             "inter_node_gbps": self.inter_node_gbps,
             "inter_type_gbps": self.inter_type_gbps,
             "intra_node_gbps": self.intra_node_gbps,
-            "device_types": {n: {k: v for k, v in asdict(t).items() if k != "name"}
+            "device_types": {n: {k: v for k, v in asdict(t).items()
+                                 if k != "name" and not (k in _OPTIONAL_ZERO and v == 0)}
                              for n, t in sorted(self.types.items())},
-            "nodes": [asdict(g) for g in self.nodes],
+            "nodes": [{k: v for k, v in asdict(g).items() if not (k == "nic_gbps" and v == 0)}
+                      for g in self.nodes],
         }
 
     @classmethod
@@ -203,10 +242,12 @@ class Cluster:
         for i, entry in enumerate(nodes_raw):
             if not isinstance(entry, dict) or "type" not in entry or "devices_per_node" not in entry:
                 raise SpecError(f"{where}.nodes[{i}] needs type and devices_per_node, got {entry!r}")
-            bad = sorted(set(entry) - {"type", "devices_per_node", "count"})
+            bad = sorted(set(entry) - {"type", "devices_per_node", "count", "nic_gbps"})
             if bad:
-                raise SpecError(f"{where}.nodes[{i}] has unknown field(s) {bad}")
-            nodes.append(NodeGroup(str(entry["type"]), entry["devices_per_node"], entry.get("count", 1)))
+                raise SpecError(f"{where}.nodes[{i}] has unknown field(s) {bad}; known: count, "
+                                f"devices_per_node, nic_gbps, type")
+            nodes.append(NodeGroup(str(entry["type"]), entry["devices_per_node"], entry.get("count", 1),
+                                   entry.get("nic_gbps", 0.0)))
         return cls(name=str(data.get("name", "cluster")), nodes=nodes, types=types,
                    inter_node_gbps=data["inter_node_gbps"],
                    inter_type_gbps=data.get("inter_type_gbps", 0.0),

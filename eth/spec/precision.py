@@ -19,6 +19,13 @@ Bytes per parameter element held by a rank (the runtime's tensors, ``megatron.hp
                  does not lower the 1F1B peak that the planner checks
 
 so ZeRO 0 is w + g + 12 (18 in bf16) and ZeRO 1/2 is w + g + 12/N at the peak.
+
+fp32 weights need no fp32 main copy: frameworks that step fp32 weights in place
+(DeepSpeed's and Megatron-LM's fp32 Adam) hold 8 bytes of optimizer state per element,
+4 + 4 + 8 = 16 with ZeRO 0.  ``fp32_master`` false describes such a run
+(:attr:`TrainSetup.optimizer_bytes`), for plans and predictions of runs of those
+frameworks (bench/measured_runs.py); this runtime keeps the fp32 main copy and refuses
+such a plan (``megatron.hpp.training.loop``).
 """
 from __future__ import annotations
 
@@ -45,6 +52,9 @@ class TrainSetup:
     grad_reduce: str = "fp32"
     """Dtype gradients are accumulated and reduced in (fp32, or bf16 as Megatron's
     --grad-reduce-in-bf16 offers)."""
+    fp32_master: bool = True
+    """The optimizer keeps fp32 main weights beside the model's (this runtime, always);
+    false only with fp32 weights, stepped in place (module docstring)."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -53,6 +63,17 @@ class TrainSetup:
             raise PlanError(f"zero_stage {self.zero_stage!r} is not one of 0, 1, 2")
         if self.grad_reduce not in GRAD_REDUCE:
             raise PlanError(f"grad_reduce {self.grad_reduce!r} is not one of {', '.join(GRAD_REDUCE)}")
+        if not isinstance(self.fp32_master, bool):
+            raise PlanError(f"fp32_master must be true or false, got {self.fp32_master!r}")
+        if not self.fp32_master and self.precision != "fp32":
+            raise PlanError(f"fp32_master false needs fp32 weights, precision is {self.precision}: "
+                            f"{self.precision} weights cannot be stepped in place")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Optimizer bytes per stepped element: fp32 main weight + AdamW's two moments,
+        or the moments alone when fp32 weights are stepped in place."""
+        return OPTIMIZER_BYTES if self.fp32_master else OPTIMIZER_BYTES - ELEMENT_BYTES["fp32"]
 
     @property
     def weight_bytes(self) -> int:
@@ -66,7 +87,7 @@ class TrainSetup:
         """Peak model-state bytes per held element when each gradient buffer has
         ``participants`` holders (the ZeRO shard count)."""
         shard = participants if self.zero_stage > 0 else 1.0
-        return self.weight_bytes + self.grad_bytes + OPTIMIZER_BYTES / shard
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes / shard
 
     def sync_bytes_per_element(self) -> float:
         """Bytes that Eq. 6's ``Gra`` counts per gradient element: an All-Reduce moves
@@ -75,15 +96,21 @@ class TrainSetup:
         return self.grad_bytes if self.zero_stage == 0 else (self.grad_bytes + self.weight_bytes) / 2
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; ``fp32_master`` only when false (plans written before it existed
+        keep their hash)."""
+        data = asdict(self)
+        if self.fp32_master:
+            del data["fp32_master"]
+        return data
 
     @classmethod
     def from_dict(cls, data, where: str = "plan.training") -> "TrainSetup":
         if not isinstance(data, dict):
             raise PlanError(f"{where} must be an object, got {data!r}")
-        unknown = sorted(set(data) - {"precision", "zero_stage", "grad_reduce"})
+        unknown = sorted(set(data) - {"precision", "zero_stage", "grad_reduce", "fp32_master"})
         if unknown:
-            raise PlanError(f"{where} has unknown field(s) {unknown}; known: grad_reduce, precision, zero_stage")
+            raise PlanError(f"{where} has unknown field(s) {unknown}; known: fp32_master, grad_reduce, "
+                            f"precision, zero_stage")
         try:
             return cls(**data)
         except PlanError as exc:

@@ -168,6 +168,10 @@ class TrainConfig:
                 raise SpecError(f"{flag} asks for {name} {given!r} but the plan was made for "
                                 f"{getattr(wanted, name)!r} (plan.training {wanted.to_dict()}); "
                                 f"re-plan with tools/search_hpp.py or drop the flag")
+        if not wanted.fp32_master:
+            raise SpecError(f"plan.training.fp32_master is false (fp32 weights stepped in place, as DeepSpeed's "
+                            f"fp32 Adam does), but this runtime keeps fp32 main weights: re-plan without it "
+                            f"(plan.training {wanted.to_dict()})")
         return wanted
 
     def data_config(self, plan):
