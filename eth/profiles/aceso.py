@@ -317,9 +317,9 @@ def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float =
     if unknown:
         raise ProfileError(f"absent op(s) {unknown} are not ops of the CSVs; they hold {', '.join(ALL_OPS)}")
     folder = Path(folder)
-    if all_ops(model) != ALL_OPS:
+    if all_ops(model) != tuple(model.activation if op == "gelu" else op for op in ALL_OPS):
         raise ProfileError(f"Aceso CSVs hold the GPT op set (layernorm, learned positions, unfused "
-                           f"attention, gelu); model {model.name} has ops {list(layer_ops(model))}")
+                           f"attention, gelu or relu); model {model.name} has ops {list(layer_ops(model))}")
     if not folder.is_dir():
         raise ProfileError(f"Aceso profile folder {folder} does not exist")
     regex = op_file_regex(pattern)
@@ -335,6 +335,8 @@ def import_aceso(folder, device: str, model: ModelSpec, size_unit_bytes: float =
             warnings.append(f"{path.name}: skipped, tp {tp} does not split model {model.name}")
             continue
         ops, reserved, raw = read_op_csv(path, size_unit_bytes)
+        if model.activation != "gelu":     # Aceso's op list names the MLP's activation gelu
+            ops = {model.activation if op == "gelu" else op: row for op, row in ops.items()}
         size, vocab, found = check_shape(path, raw, model, mbs, tp)
         sizes.add(size)
         vocabs.add(vocab)

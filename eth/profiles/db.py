@@ -61,9 +61,11 @@ from eth.spec.model import ModelSpec, all_ops, op_shapes
 PROFILE_VERSION = 1
 OP_FIELDS = ("fwd_ms", "bwd_ms", "weight_bytes", "act_bytes", "input_bytes", "output_bytes")
 SHAPE_FIELDS = ("hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "swiglu", "dropout",
-                "norm", "position", "bias", "attention", "attention_dropout")
+                "norm", "position", "bias", "attention", "attention_dropout", "activation")
 SHAPE_DEFAULTS = {"norm": "layernorm", "position": "learned", "bias": True, "attention": "unfused",
-                  "attention_dropout": None}
+                  "attention_dropout": None, "activation": "gelu"}
+_LEFT_OUT = {"attention_dropout": None, "activation": "gelu"}
+"""Shape fields a profile file leaves out at these values (files keep their old form)."""
 """Shape fields a profile written before they existed lacks: the GPT values."""
 
 # Analytic efficiency factors (documented assumptions, see docs/FORMATS.md).
@@ -94,9 +96,10 @@ def shape_key(model: ModelSpec) -> tuple:
 
 def shape_dict(model: ModelSpec) -> dict:
     """A profile entry's "shape" object of ``model``: :data:`SHAPE_FIELDS`, less
-    ``attention_dropout`` when it is None (the same as ``dropout``), so that files keep
-    the form they had before the field existed."""
-    return {f: getattr(model, f) for f in SHAPE_FIELDS if not (f == "attention_dropout" and model.attention_dropout is None)}
+    the fields added later at their old meaning (``attention_dropout`` None: the same as
+    ``dropout``; ``activation`` gelu), so that files keep the form they had before."""
+    return {f: getattr(model, f) for f in SHAPE_FIELDS
+            if not (f in _LEFT_OUT and getattr(model, f) == _LEFT_OUT[f])}
 
 
 def entry_shape(shape: dict) -> tuple:
@@ -159,7 +162,7 @@ class DeviceProfile:
                 shape = entry_shape(m["shape"])
             except (KeyError, TypeError):
                 raise ProfileError(f"{mw}.shape must give {list(SHAPE_FIELDS)}") from None
-            if not all(isinstance(v, str) if f in ("norm", "position", "attention") else
+            if not all(isinstance(v, str) if f in ("norm", "position", "attention", "activation") else
                        (is_number(v) or isinstance(v, bool) or (v is None and f == "attention_dropout"))
                        for f, v in zip(SHAPE_FIELDS, shape)):
                 raise ProfileError(f"{mw}.shape must hold numbers, got {m['shape']}")

@@ -23,7 +23,7 @@ OP_ABBREV = MappingProxyType({
     "gelu": "Act", "mlp-gemm-2": "FC2", "post-mlp-dropout": "PMD",
     # ops of other layer kinds (eth.spec.model.layer_ops)
     "1st-rmsnorm": "RN1", "2nd-rmsnorm": "RN2", "rotary": "Rope", "fused-attention": "FA",
-    "swiglu": "Swi",
+    "swiglu": "Swi", "relu": "ReLU",
 })
 
 
@@ -38,7 +38,7 @@ OP_NAMES = MappingProxyType({
     "1st-rmsnorm": "RMSNorm before attention", "2nd-rmsnorm": "RMSNorm before the MLP",
     "rotary": "rotary position embedding of q and k",
     "fused-attention": "softmax(Q.K^T)V in one kernel (no s x s tensors kept)",
-    "swiglu": "MLP activation silu(gate) * up",
+    "swiglu": "MLP activation silu(gate) * up", "relu": "MLP activation relu",
 })
 
 _PLAN_TERMS = (

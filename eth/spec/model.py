@@ -16,6 +16,8 @@ plus three non-layer ops: ``embedding`` (before layer 0), ``final-layernorm`` an
     attention "fused"    fused-attention instead of score, softmax, attn-dropout, context:
                          softmax(Q K^T / sqrt(d)) V in one kernel that keeps no s x s tensor
     swiglu               swiglu (silu(gate) * up) instead of gelu; mlp-gemm-1 makes 2 ffn
+    activation "relu"    relu instead of gelu (OPT): it keeps its output, which mlp-gemm-2
+                         keeps anyway, so the layer keeps one ffn-wide tensor less
     bias false           no biases in qkv, attn-dense, mlp-gemm-1/2 (norm weights only
                          for rmsnorm)
 
@@ -60,9 +62,10 @@ UNFUSED_ATTENTION_OPS = ("score", "softmax", "attn-dropout", "context")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("unfused", "fused")
+ACTIVATIONS = ("gelu", "relu")
 KNOWN_LAYER_OPS = ("1st-layernorm", "1st-rmsnorm", "qkv", "rotary", "score", "softmax",
                    "attn-dropout", "context", "fused-attention", "attn-dense",
-                   "post-attn-dropout", "2nd-layernorm", "2nd-rmsnorm", "mlp-gemm-1", "gelu",
+                   "post-attn-dropout", "2nd-layernorm", "2nd-rmsnorm", "mlp-gemm-1", "gelu", "relu",
                    "swiglu", "mlp-gemm-2", "post-mlp-dropout")
 """Every layer op of any spec, in layer order (display and validation)."""
 
@@ -109,6 +112,8 @@ class ModelSpec:
     attention: str = "unfused"
     """"unfused" (score, softmax, attn-dropout, context ops) or "fused" (one
     fused-attention op: torch scaled_dot_product_attention)."""
+    activation: str = "gelu"
+    """The MLP's activation without SwiGLU: "gelu" (exact) or "relu" (OPT)."""
     norm_eps: float = 1e-5
     """Epsilon of every layernorm / rmsnorm (numerics only: no effect on cost)."""
     rope_theta: float = 10000.0
@@ -139,7 +144,8 @@ class ModelSpec:
                 raise SpecError(f"model.attention_dropout must be in [0, 1) or null, got {self.attention_dropout}")
             if self.attention_dropout == self.dropout:     # one spec, one form
                 object.__setattr__(self, "attention_dropout", None)
-        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("attention", ATTENTIONS)):
+        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("attention", ATTENTIONS),
+                              ("activation", ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise SpecError(f"model.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         for name in ("norm_eps", "rope_theta"):
@@ -148,6 +154,9 @@ class ModelSpec:
                 raise SpecError(f"model.{name} must be a positive number, got {getattr(self, name)!r}")
         if not isinstance(self.bias, bool):
             raise SpecError(f"model.bias must be true or false, got {self.bias!r}")
+        if self.swiglu and self.activation != "gelu":
+            raise SpecError(f"model.activation {self.activation!r} with swiglu true: the gated MLP's "
+                            f"activation is silu")
         if self.position == "rope" and self.head_dim % 2:
             raise SpecError(f"model.position rope needs an even head dimension, got "
                             f"hidden {self.hidden} / heads {self.heads} = {self.head_dim}")
@@ -240,23 +249,23 @@ class ModelSpec:
         return cls(**data)
 
 
-_OPTION_FIELDS = ("norm", "position", "bias", "attention", "norm_eps", "rope_theta")
+_OPTION_FIELDS = ("norm", "position", "bias", "attention", "activation", "norm_eps", "rope_theta")
 _LLAMA = {"norm": "rmsnorm", "position": "rope", "bias": False, "swiglu": True, "dropout": 0.0}
 
 
 def layer_ops(spec) -> tuple[str, ...]:
     """The layer ops of ``spec`` in execution order (module docstring); ``spec`` needs
     the attributes norm, position, attention and swiglu."""
-    return _layer_ops(spec.norm, spec.position, spec.attention, spec.swiglu)
+    return _layer_ops(spec.norm, spec.position, spec.attention, spec.swiglu, getattr(spec, "activation", "gelu"))
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_ops(norm, position, attention, swiglu) -> tuple[str, ...]:
+def _layer_ops(norm, position, attention, swiglu, activation="gelu") -> tuple[str, ...]:
     norm = "rmsnorm" if norm == "rmsnorm" else "layernorm"
     ops = [f"1st-{norm}", "qkv"] + (["rotary"] if position == "rope" else [])
     ops += ["fused-attention"] if attention == "fused" else list(UNFUSED_ATTENTION_OPS)
     ops += ["attn-dense", "post-attn-dropout", f"2nd-{norm}", "mlp-gemm-1",
-            "swiglu" if swiglu else "gelu", "mlp-gemm-2", "post-mlp-dropout"]
+            "swiglu" if swiglu else activation, "mlp-gemm-2", "post-mlp-dropout"]
     return tuple(ops)
 
 
@@ -293,6 +302,7 @@ def layer_dataflow(spec) -> tuple[OpFlow, ...]:
              "attn-dense": (("ctx",), "attn", ("ctx",)),
              "post-attn-dropout": (("x", "attn"), "x2", ()), f"2nd-{norm}": (("x2",), "m", ("x2",)),
              "mlp-gemm-1": (("m",), "f1", ("m",)), "gelu": (("f1",), "g", ("f1",)),
+             "relu": (("f1",), "g", ("g",)),   # its output: the mask of the backward
              "swiglu": (("f1",), "g", ("f1",)), "mlp-gemm-2": (("g",), "f2", ("g",)),
              "post-mlp-dropout": (("x2", "f2"), "out", ())}
     return tuple(OpFlow(op, *flows[op]) for op in layer_ops(spec))
@@ -468,7 +478,11 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int, elem_bytes: int = ACT_BYTES,
             _op("context", 2 * b * s * s * h // t, 0, att * E if drop_a else 0,
                 att * E + b * s * kv_l * E, b * s * h // t * E, gemm=True),
         ]
-    act_name = "swiglu" if spec.swiglu else "gelu"
+    act_name = "swiglu" if spec.swiglu else spec.activation
+    relu = act_name == "relu"
+    # relu keeps its output g, which mlp-gemm-2 keeps too: counted once, at relu (the first)
+    act_op = _op("relu", b * s * f // t, 0, b * s * f // t * E, b * s * f1 // t * E, b * s * f // t * E) if relu \
+        else _op(act_name, 8 * b * s * f1 // t, 0, b * s * f1 // t * E, b * s * f1 // t * E, b * s * f // t * E)
     ops += [
         _op("attn-dense", 2 * b * s * h * h // t, (h * h // t + bias * h) * E, b * s * h // t * E,
             b * s * h // t * E, tok, gemm=True),
@@ -476,9 +490,8 @@ def op_shapes(spec: ModelSpec, mbs: int, tp: int, elem_bytes: int = ACT_BYTES,
         norm(f"2nd-{norm_name}"),
         _op("mlp-gemm-1", 2 * b * s * h * f1 // t, (h * f1 + bias * f1) // t * E, tok, tok,
             b * s * f1 // t * E, gemm=True),
-        _op(act_name, 8 * b * s * f1 // t, 0, b * s * f1 // t * E, b * s * f1 // t * E,
-            b * s * f // t * E),
-        _op("mlp-gemm-2", 2 * b * s * f * h // t, (f * h // t + bias * h) * E, b * s * f // t * E,
+        act_op,
+        _op("mlp-gemm-2", 2 * b * s * f * h // t, (f * h // t + bias * h) * E, 0 if relu else b * s * f // t * E,
             b * s * f // t * E, tok, gemm=True),
         _op("post-mlp-dropout", 3 * b * s * h, 0, mask_h, 2 * tok, tok, 3 * tok + mask_h),
         norm(f"final-{norm_name}"),

@@ -256,3 +256,11 @@ def test_cli_describes_acesos_own_model_with_megatron_flags(tmp_path, capsys):
     assert data["models"][0]["entries"][0]["ops"]["head+loss"] == [0.0] * 6
     assert make_profiles(base + ["--aceso-absent", "head"]) == 2
     assert "absent op(s) ['head'] are not ops of the CSVs" in capsys.readouterr().err
+
+
+def test_a_relu_model_takes_the_csvs_mlp_activation_row(tmp_path):
+    write_ops(tmp_path, us=1000.0)
+    opt = replace(GPT13, activation="relu", dropout=0.0)
+    ops = DeviceProfile(import_aceso(tmp_path, "A100", opt)).layer_costs(opt, 1, 1)[0]
+    assert "gelu" not in ops and ops["relu"].fwd_ms == 1.0
+    assert ops["relu"].act_bytes == op_shapes(opt, 1, 1)["relu"].act_bytes and ops["mlp-gemm-2"].act_bytes == 0

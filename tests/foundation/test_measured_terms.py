@@ -164,3 +164,18 @@ def test_sailor_layer_profiles_keep_the_measured_layer_times(tmp_path):
         import_sailor(path, "OPT-350", "A100", gh, opt)
     with pytest.raises(ProfileError, match=r"holds layers 0 .. 25, not 0, 1 .. 13 of a 12-layer model"):
         import_sailor(path, "OPT-350", "GH-96", gh, replace(opt, num_layers=12))
+
+
+def test_relu_keeps_its_output_which_the_second_gemm_keeps_anyway():
+    opt = replace(GPT, activation="relu", dropout=0.0)
+    assert "relu" in layer_ops(opt) and "gelu" not in layer_ops(opt)
+    gelu, relu = op_shapes(replace(GPT, dropout=0.0), 2, 1), op_shapes(opt, 2, 1)
+    ffn_wide = 2 * GPT.seq_len * GPT.ffn * 2                         # b s f x 2 bytes
+    assert relu["relu"].act_bytes == ffn_wide and relu["mlp-gemm-2"].act_bytes == 0
+    assert sum(gelu[op].act_bytes for op in layer_ops(GPT)) - sum(relu[op].act_bytes for op in layer_ops(opt)) \
+        == ffn_wide
+    assert opt.to_dict()["activation"] == "relu" and "activation" not in GPT.to_dict(compact=True)
+    with pytest.raises(SpecError, match=r"model.activation 'relu' with swiglu true"):
+        replace(get_model("llama2-7b"), activation="relu")
+    with pytest.raises(SpecError, match=r"model.activation must be one of \['gelu', 'relu'\], got 'tanh'"):
+        replace(GPT, activation="tanh")

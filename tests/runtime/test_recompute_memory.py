@@ -30,7 +30,11 @@ from megatron.hpp.profiling.timing import fake_tp_group, initialised_default_gro
 MBS = 2
 FP32 = 4
 SPECS = {"gpt": get_model("tiny"), "gpt-dropout": replace(get_model("tiny"), dropout=0.1),
-         "llama": get_model("tiny-llama"), "llama-unfused": replace(get_model("tiny-llama"), attention="unfused")}
+         "llama": get_model("tiny-llama"), "llama-unfused": replace(get_model("tiny-llama"), attention="unfused"),
+         # OPT's relu keeps its output (mlp-gemm-2's input); GPT-Neo as Megatron-DeepSpeed runs
+         # it: hidden dropout without attention dropout
+         "opt-relu": replace(get_model("tiny"), activation="relu"),
+         "neo-dropout": replace(get_model("tiny"), dropout=0.1, attention_dropout=0.0)}
 
 
 def _kept_bytes(fn, params) -> int:

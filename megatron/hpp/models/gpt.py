@@ -85,7 +85,7 @@ _METHODS = {"1st-layernorm": "op_ln1", "1st-rmsnorm": "op_ln1", "qkv": "op_qkv",
             "score": "op_score", "softmax": "op_softmax", "attn-dropout": "op_attn_dropout",
             "context": "op_context", "fused-attention": "op_fused_attention", "attn-dense": "op_attn_dense",
             "post-attn-dropout": "op_post_attn_dropout", "2nd-layernorm": "op_ln2", "2nd-rmsnorm": "op_ln2",
-            "mlp-gemm-1": "op_fc1", "gelu": "op_gelu", "swiglu": "op_swiglu", "mlp-gemm-2": "op_fc2",
+            "mlp-gemm-1": "op_fc1", "gelu": "op_gelu", "relu": "op_relu", "swiglu": "op_swiglu", "mlp-gemm-2": "op_fc2",
             "post-mlp-dropout": "op_post_mlp_dropout"}
 
 
@@ -198,6 +198,9 @@ class Layer(torch.nn.Module):
 
     def op_gelu(self, f1):
         return F.gelu(f1)
+
+    def op_relu(self, f1):
+        return F.relu(f1)
 
     def op_swiglu(self, f1):
         return llama.swiglu(f1)
