@@ -27,6 +27,7 @@ express (a stage whose dp replicas are of different GPU types) is listed with wh
 
     python bench/measured_runs.py --sailor SAILOR_CHECKOUT --set clariden [--json FILE]
     python bench/measured_runs.py --sailor SAILOR_CHECKOUT --set mit
+    python bench/measured_runs.py --sailor SAILOR_CHECKOUT --update-results   # every set, both sources
 
 The per-type fixed memory (``overhead_gb`` of the device catalog) is fitted on the
 Clariden set only (``--fit-overhead``); the mit set is data nothing was fitted to.
@@ -57,13 +58,13 @@ from eth.spec.plan import PipelinePlan, Plan, StagePlan  # noqa: E402
 from eth.spec.precision import TrainSetup  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from run_context import commit, loadavg  # noqa: E402
+from run_context import add_output_args, commit, loadavg, output_path  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "measured_runs.yaml"
 VALIDATION = "sailor/Planner/simulations/validation"
 PROFILES = "sailor/Planner/baselines/Aceso/profiler/{gpu}/profiled-data-fp32"
 LAYER_PROFILES = "sailor/Planner/simulations/profiles_tmp.json"
-SOURCES = ("aceso", "sailor")
+SOURCES = ("sailor", "aceso")
 NETWORK = "sailor/providers/network_coeffs_all_homo.json"
 NETWORK_HET = "sailor/providers/multizone_bandwidths_het.json"
 ZONE = "us-central1-a"
@@ -249,26 +250,49 @@ def summary(values) -> str:
     return f"|error| median {statistics.median(values):.1f} %, max {max(values):.1f} %"
 
 
+def _pct(value) -> str:
+    return "" if value is None else f"{value:+.1f}"
+
+
 def report(rows: list[Row], which: str, source: str) -> str:
-    lines = [f"# Sailor's {which} runs against our predictions, {source} profiles (code {commit()}, "
-             f"load {loadavg()})",
-             f"{'run':42} {'real s':>9} {'Eq.5 s':>9} {'err %':>7} {'sim s':>9} {'err %':>7} "
-             f"{'real GB':>8} {'pred GB':>8} {'err %':>7}"]
+    """A markdown table of ``rows`` and their error summary."""
+    lines = [f"### {which}, {source} profiles", "",
+             "| run | real s | Eq. 5 s | err % | simulated s | err % | real GB | predicted GB | err % |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = r.to_dict()
         if r.why:
-            lines.append(f"{r.name:42} {r.real_s:9.3f}  not expressible: {r.why}")
+            lines.append(f"| {r.name} | {r.real_s:.3f} | not expressible: {r.why} | | | | {r.real_mem_gb:.2f} | | |")
             continue
-        lines.append(f"{r.name:42} {r.real_s:9.3f} {r.predicted_s:9.3f} {d['time_err_pct']:+7.1f} "
-                     f"{r.simulated_s:9.3f} {d['simulated_err_pct']:+7.1f} {r.real_mem_gb:8.2f} "
-                     f"{r.predicted_mem_gb:8.2f} {d['memory_err_pct']:+7.1f}")
+        lines.append(f"| {r.name} | {r.real_s:.3f} | {r.predicted_s:.3f} | {_pct(d['time_err_pct'])} | "
+                     f"{r.simulated_s:.3f} | {_pct(d['simulated_err_pct'])} | {r.real_mem_gb:.2f} | "
+                     f"{r.predicted_mem_gb:.2f} | {_pct(d['memory_err_pct'])} |")
     ds = [r.to_dict() for r in rows]
-    n = sum(1 for r in rows if not r.why)
-    lines += [f"{n} of {len(rows)} runs scored",
-              f"time, Eq. 5:    {summary(d['time_err_pct'] for d in ds)}",
-              f"time, simulator: {summary(d['simulated_err_pct'] for d in ds)}",
-              f"peak memory:    {summary(d['memory_err_pct'] for d in ds)}"]
+    lines += ["", f"{sum(1 for r in rows if not r.why)} of {len(rows)} runs scored; "
+                  f"time, Eq. 5: {summary(d['time_err_pct'] for d in ds)}; "
+                  f"time, simulator: {summary(d['simulated_err_pct'] for d in ds)}; "
+                  f"peak memory: {summary(d['memory_err_pct'] for d in ds)}"]
     return "\n".join(lines)
+
+
+def write_results(args, data: dict) -> None:
+    """Every set of bench/data under both profile sources: measured_runs.md (the tables)
+    and measured_runs.json (the rows) where ``--out`` / ``--update-results`` say."""
+    md = output_path(args, "measured_runs.md")
+    md.parent.mkdir(parents=True, exist_ok=True)
+    parts = ["# Sailor's published runs against our predictions (bench/measured_runs.py)", "",
+             "command: `python bench/measured_runs.py --sailor <eth-easl/sailor checkout> --update-results`  ",
+             f"commit: {commit()}  ", f"load average: {loadavg()}  ",
+             "fitted: GH200 `overhead_gb` on the clariden set (`--fit-overhead`); nothing on mit", ""]
+    out = {"code": commit(), "sets": {}}
+    for which in data["sets"]:
+        for source in SOURCES:
+            rows = score(args.sailor, which, data, source=source)
+            parts += [report(rows, which, source), ""]
+            out["sets"][f"{which}/{source}"] = [r.to_dict() for r in rows]
+    md.write_text("\n".join(parts))
+    md.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {md} and {md.with_suffix('.json')}")
 
 
 def main(argv=None) -> int:
@@ -281,6 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", choices=SOURCES, default="sailor",
                     help="sailor: Sailor's layer times measured in the runs' framework (default); aceso: the "
                          "GPUs' op CSVs in Aceso's format")
+    add_output_args(ap, "measured_runs.md and .json (every set, both profile sources)")
     ap.add_argument("--fit-overhead", action="store_true",
                     help="score without the catalog's fixed memory per device and print the value that "
                          "centres the memory errors (fit it on the clariden set only)")
@@ -295,10 +320,14 @@ def main(argv=None) -> int:
             print(f"measured - predicted peak without a fixed overhead, GB: {gaps}")
             print(f"overhead_gb (median): {fit_overhead(rows):.2f}")
             return 0
+        if args.out or args.update_results:
+            write_results(args, data)
+            return 0
         rows = score(args.sailor, args.which, data, source=args.profiles)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"code {commit()}, load average {loadavg()}")
     print(report(rows, args.which, args.profiles))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
