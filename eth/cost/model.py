@@ -99,9 +99,9 @@ class CostModel(StageFloors, CutStages):
     setup: TrainSetup = field(default_factory=TrainSetup)
     """Precision, ZeRO stage and gradient dtype planned for (bf16, ZeRO 0, fp32 grads)."""
     p2p_blocking: bool = False
-    """False (this runtime): a stage-boundary transfer is charged to the sending stage
-    only (the receiver has its receive posted: megatron-core's batched isend/irecv);
-    True: sends and receives block both ends (DeepSpeed's pipeline engine), so the
+    """False (the paper's Eq. 1, the planner's default): a stage-boundary transfer is
+    charged to the sending stage only; True: sends and receives block both ends
+    (DeepSpeed's pipeline engine, bench/measured_runs.py), so the
     receiving stage's time holds the transfer as well: Tf_j + recv of its input
     (j > 0), Tb_j + recv of its output gradient (j < S - 1)."""
     _cache: dict = field(default_factory=dict, repr=False)
