@@ -8,8 +8,9 @@
 * a HuggingFace ``config.json`` (any ``*.json``), read by its ``architectures`` entry:
   ``LlamaForCausalLM`` and ``MistralForCausalLM`` (RMSNorm, rotary, SwiGLU, no biases,
   grouped-query attention), ``GPTNeoXForCausalLM`` (LayerNorm, rotary, GELU, biases) and
-  ``GPT2LMHeadModel`` (LayerNorm, learned positions, GELU, biases), as far as our layers
-  express them.  A feature they do not implement is refused by name (tied embeddings,
+  ``GPT2LMHeadModel`` (LayerNorm, learned positions, GELU, biases) and ``OPTForCausalLM``
+  (LayerNorm, learned positions, ReLU or GELU, biases), as far as our layers express
+  them; ``GPTNeoForCausalLM`` is read and refused with every feature our layers lack.  A feature they do not implement is refused by name (tied embeddings,
   rope scaling, partial rotary, parallel residual, a sliding window shorter than the
   sequence, biases on some linear layers only as in Qwen2, an activation other than the
   exact GELU / SiLU), never silently dropped.
@@ -51,7 +52,10 @@ OVERRIDE_FLAGS = {
 """argparse dest -> (Megatron flag, ModelSpec field)."""
 NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 POSITION_TYPES = {"learned_absolute": "learned", "rope": "rope"}
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
+                    "OPTForCausalLM", "GPTNeoForCausalLM")
+TIED_BY_DEFAULT = ("GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM")
+"""Architectures whose config class ties the embeddings unless ``tie_word_embeddings`` says no."""
 
 
 def load_model(source: str, seq_len: int | None = None) -> ModelSpec:
@@ -131,7 +135,9 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
     def refuse(what):
         raise SpecError(f"{where}: {arch} with {what} is not supported by our layers")
 
-    if cfg.get("tie_word_embeddings", arch == "GPT2LMHeadModel"):
+    if arch == "GPTNeoForCausalLM":
+        _refuse_gpt_neo(cfg, where)
+    if cfg.get("tie_word_embeddings", arch in TIED_BY_DEFAULT):
         refuse("tie_word_embeddings true (input and output embeddings are untied here)")
     if cfg.get("rope_scaling"):
         refuse(f"rope_scaling {cfg['rope_scaling']!r}")
@@ -176,6 +182,26 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                     seq_len=seq_len or count("max_position_embeddings"), norm_eps=number("layer_norm_eps", 1e-5),
                     position="rope", rope_theta=theta,
                     dropout=_one_dropout(cfg, ("hidden_dropout", "attention_dropout"), where))
+    elif arch == "OPTForCausalLM":
+        if not cfg.get("do_layer_norm_before", True):
+            refuse("do_layer_norm_before false (layernorm after attention and MLP, as OPT-350m)")
+        hidden = count("hidden_size")
+        if cfg.get("word_embed_proj_dim", hidden) != hidden:
+            refuse(f"word_embed_proj_dim {cfg['word_embed_proj_dim']} != hidden_size {hidden} (projections "
+                   f"between the embedding and the layers)")
+        if not cfg.get("enable_bias", True):
+            refuse("enable_bias false (biases in every linear layer or in none: give bias: false in a model YAML)")
+        if not cfg.get("layer_norm_elementwise_affine", True):
+            refuse("layer_norm_elementwise_affine false (layernorms without weights)")
+        if number("layerdrop", 0.0):
+            refuse(f"layerdrop {cfg['layerdrop']}")
+        activation = cfg.get("activation_function", "relu")
+        if activation not in ("relu", "gelu"):
+            refuse(f"activation_function {activation!r} (relu or the exact GELU)")
+        spec = dict(num_layers=count("num_hidden_layers"), hidden=hidden, heads=count("num_attention_heads"),
+                    ffn=count("ffn_dim"), vocab=count("vocab_size"),
+                    seq_len=seq_len or count("max_position_embeddings"), activation=activation,
+                    dropout=number("dropout", 0.1), attention_dropout=number("attention_dropout", 0.0))
     else:   # GPT2LMHeadModel
         if cfg.get("activation_function", "gelu_new") != "gelu":
             refuse(f"activation_function {cfg.get('activation_function', 'gelu_new')!r} (the MLP uses "
@@ -191,6 +217,19 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         refuse(f"head_dim {head_dim!r} (not hidden_size / num_attention_heads = "
                f"{spec['hidden']} / {spec['heads']})")
     return ModelSpec(name=name, **spec)
+
+
+def _refuse_gpt_neo(cfg: dict, where: str) -> None:
+    """GPT-Neo's layers differ from ours in ways a spec cannot state: SpecError naming them."""
+    lacks = ["q, k and v projections without biases beside biased output and MLP projections",
+             "attention scores not scaled by 1 / sqrt(head_dim)"]
+    kinds = {kind for kinds, n in (cfg.get("attention_types") or [[["global"], 1]]) for kind in kinds}
+    if "local" in kinds or "local" in (cfg.get("attention_layers") or []):
+        lacks.insert(0, f"local attention layers (a window of {cfg.get('window_size', 256)} tokens)")
+    if cfg.get("activation_function", "gelu_new") != "gelu":
+        lacks.append(f"activation_function {cfg.get('activation_function', 'gelu_new')!r}")
+    raise SpecError(f"{where}: GPTNeoForCausalLM with {'; '.join(lacks)} is not supported by our layers "
+                    f"(a model YAML describes the nearest shape we train)")
 
 
 def _one_dropout(cfg: dict, keys, where: str, default: float = 0.0) -> float:

@@ -205,3 +205,31 @@ def test_pretrain_gpt_checks_megatron_flags_against_the_plan():
                          (["--lr-decay-style", "constant", "--min-lr", "0.1"], "--lr-decay-style constant with")]:
         proc = _cli("pretrain_gpt.py", "--hpp-plan", "examples/plans/cpu-demo.json", "--train-iters", "2", *flags)
         assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_hf_opt_and_gpt_neo():
+    """OPT with relu (its default) or gelu, learned positions, its own attention dropout;
+    what our layers lack is refused by name, GPT-Neo always (local attention, unbiased q/k/v)."""
+    opt = {"architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 32,
+           "word_embed_proj_dim": 64, "do_layer_norm_before": True, "dropout": 0.1, "attention_dropout": 0.0,
+           "tie_word_embeddings": False}
+    m = from_hf_config(opt)
+    assert (m.activation, m.position, m.ffn, m.dropout, m.attn_dropout, m.seq_len) == ("relu", "learned", 256, 0.1,
+                                                                                       0.0, 32)
+    assert from_hf_config(dict(opt, activation_function="gelu")).activation == "gelu"
+    for bad, words in (({"tie_word_embeddings": True}, "tie_word_embeddings true"),
+                       ({"do_layer_norm_before": False}, "do_layer_norm_before false"),
+                       ({"word_embed_proj_dim": 32}, "word_embed_proj_dim 32 != hidden_size 64"),
+                       ({"activation_function": "silu"}, "activation_function 'silu'")):
+        with pytest.raises(SpecError, match=re.escape(words)):
+            from_hf_config(dict(opt, **bad))
+    untied = {k: v for k, v in opt.items() if k != "tie_word_embeddings"}
+    with pytest.raises(SpecError, match="tie_word_embeddings true"):      # transformers' OPT default
+        from_hf_config(untied)
+    neo = {"architectures": ["GPTNeoForCausalLM"], "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+           "vocab_size": 256, "max_position_embeddings": 32, "attention_types": [[["global", "local"], 1]],
+           "window_size": 8}
+    with pytest.raises(SpecError, match=r"GPTNeoForCausalLM with local attention layers \(a window of 8 tokens\); "
+                                        r"q, k and v projections without biases .* 'gelu_new'"):
+        from_hf_config(neo)
