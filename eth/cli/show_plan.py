@@ -29,7 +29,7 @@ from eth.errors import SpecError
 from eth.spec.plan import load_plan
 from eth.profiles.db import ProfileDB
 from eth.report.tables import format_legend, format_plan_table, format_sim_summary, stage_label
-from eth.report.simulate import SimOptions, simulate
+from eth.report.simulate import simulate
 
 # the checkout's shipped profiles (absent in a wheel install: analytic ones are generated)
 DEFAULT_PROFILES = CHECKOUT / "profiles"
@@ -45,8 +45,9 @@ def _main(argv=None) -> int:
     ap.add_argument("--profiles", default=None,
                     help=f"profile file or folder (default: {DEFAULT_PROFILES} if present; "
                          "analytic entries fill what is missing)")
-    ap.add_argument("--optimizer-passes", type=float, default=SimOptions.optimizer_passes,
-                    help="memory passes of the optimizer step over bytes_per_param x params")
+    ap.add_argument("--optimizer-passes", type=float, default=CostModel.optimizer_passes,
+                    help="without a measured optimizer time: memory passes of the optimizer step over the "
+                         "rank's model-state bytes")
     ap.add_argument("--history", metavar="DIR",
                     help="the plans made at start-up in this --save folder (pretrain_gpt.py --hpp-cluster): one "
                          "line per start, what joined and left; show one with its file in DIR/hpp-plans/")
@@ -84,7 +85,8 @@ def _main(argv=None) -> int:
         where = None
     profiles = ProfileDB.load(where) if where else ProfileDB()
     analytic = profiles.ensure(plan.model, plan.cluster.types.values())
-    cost_model = CostModel(plan.model, plan.cluster, profiles, plan.training)
+    cost_model = CostModel(plan.model, plan.cluster, profiles, plan.training,
+                           optimizer_passes=args.optimizer_passes)
 
     filled = not any(s.predicted for p in plan.pipelines for s in p.stages)
     if filled:
@@ -97,7 +99,7 @@ def _main(argv=None) -> int:
     if where and where == recorded_path and not args.profiles:
         print(f"  (profiles: {where}, the ones the plan was searched with)")
     print()
-    result = simulate(plan, cost_model, options=SimOptions(optimizer_passes=args.optimizer_passes))
+    result = simulate(plan, cost_model)
     print(format_sim_summary(plan, result))
     note = profile_mismatch(plan, profiles, analytic, where, result.iteration_ms)
     if note:

@@ -12,11 +12,30 @@ Eq. 6, All-Reduce of a gradient block -- :func:`eq6_allreduce_ms`:
 
     AR = 2 * Gra * (N - 1) / (N * BW)
 
+Gradient-timed end times (this project's extension of Eq. 5/6, the planner's default
+objective) -- :func:`synced_end_times`.  Eq. 5 adds AR_i^j, the stage's own share of
+every block it holds, to the stage's own backward end, as if its partners in other
+pipelines were ready when it is.  The runtime reduces a block with one collective over
+all its holders, so a block
+
+    starts at   R_b = max over holders h of E_h        (E_h: the stage's last backward)
+    lasts       D_b = max over holders h of AR_{b,h}    (the lowest-tp holder's share)
+
+and a stage's link carries its blocks one after another in the order they become
+ready: c_{b,h} = max(c_{prev,h}, R_b) + AR_{b,h}, from c = E_h; a block is done when
+its last holder's link is, F_b = max_h c_{b,h} (>= R_b + D_b), and a stage ends when
+all its blocks are: Te_h = max(E_h, max over its blocks of F_b).  Te_h >= Eq. 5's
+E_h + sum_b AR_{b,h}, with equality when every partner is ready at E_h and holds the
+same shares.  E_h is the end of the stage's last backward as 1F1B plays it, op by op
+(:func:`one_f_one_b_end_times`), not Eq. 5's closed form: with few micro-batches or
+unequal stages the fill and drain differ.
+
 :class:`StageCost` is what they read: one stage's forward and backward time per
 micro-batch and its memory, as :class:`eth.cost.model.CostModel` predicts it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -70,6 +89,102 @@ def eq5_end_times(costs, lbs: int, mbs: int, ar_ms=None) -> list[float]:
         tail += costs[j].bwd_ms
         ends.append(head + tail + ar_ms[j])
     return ends[::-1]
+
+
+def synced_end_times(backward_end: dict, blocks) -> dict:
+    """Gradient-timed end time of every stage (module docstring): ``backward_end`` maps
+    (pipeline, stage) to E_h, the end of its last backward (Eq. 5 without AR_i^j);
+    ``blocks`` are :class:`eth.cost.sync.SyncBlock`-like (``holders``, ``holder_ms``).
+    Returns (pipeline, stage) -> when the stage's last block is reduced."""
+    ready = [max(backward_end[h] for h in b.holders) for b in blocks]
+    mine: dict = {}
+    for k, b in enumerate(blocks):
+        for h, ms in zip(b.holders, b.holder_ms):
+            mine.setdefault(h, []).append((ready[k], k, ms))
+    done = list(ready)
+    for h, queue in mine.items():
+        t = backward_end[h]
+        for r, k, ms in sorted(queue):
+            t = max(t, r) + ms
+            done[k] = max(done[k], t)
+    ends = dict(backward_end)
+    for k, b in enumerate(blocks):
+        for h in b.holders:
+            ends[h] = max(ends[h], done[k])
+    return ends
+
+
+def one_f_one_b_end_times(costs, lbs: int, mbs: int, sends_overlap: bool = True) -> list[float]:
+    """When every stage of one pipeline ends its last backward under 1F1B, played op by
+    op instead of Eq. 5's closed form (the gradient-timed objective's E_h, module
+    docstring).  Stage j of S with M = lbs / mbs micro-batches runs min(S - j, M) forwards,
+    then one backward and one forward in turn, then the remaining backwards; an op starts
+    when the stage's previous op has ended and its input is there: F(j, m) after F(j-1, m)
+    and its activation send, B(j, m) after B(j+1, m) and its gradient send (B(S-1, m) after
+    F(S-1, m)).  With ``sends_overlap`` the boundary sends (``send_fwd_ms``,
+    ``send_bwd_ms``) leave the sender's compute and run on their link, one at a time in
+    micro-batch order, as asynchronous isend/irecv do; without it (transfers that block
+    both ends) they stay in the stage times.  Equal stages without sends give Eq. 5;
+    unequal ones end earlier where a stage's warm-up forwards overlap its neighbours'
+    (Eq. 5 charges every stage's whole first forward and backward) or later where the
+    forward and backward bottlenecks are different stages."""
+    S, m = len(costs), lbs // mbs if lbs > 0 else 0
+    if m <= 0:
+        return [0.0] * S
+    sf = [c.send_fwd_ms if sends_overlap else 0.0 for c in costs]
+    sb = [c.send_bwd_ms if sends_overlap else 0.0 for c in costs]
+    fwd = [c.fwd_ms - s for c, s in zip(costs, sf)]
+    bwd = [c.bwd_ms - s for c, s in zip(costs, sb)]
+    seqs = [_one_f_one_b_sequence(S - j, m) for j in range(S)]
+    f_in = [[0.0] * m] + [[None] * m for _ in range(S - 1)]    # activation of m there at stage j
+    b_in = [[None] * m for _ in range(S)]                        # output gradient of m there
+    link_f, link_b = [0.0] * S, [0.0] * S                        # when j -> j+1, j -> j-1 are free
+    free, last, op = [0.0] * S, [0.0] * S, [0] * S               # op: index into the stage's sequence
+    left = 2 * m * S
+    while left:
+        moved = left
+        for j in range(S):
+            seq, k, t, lb = seqs[j], op[j], free[j], last[j]
+            fj, bj, fin, bin_ = fwd[j], bwd[j], f_in[j], b_in[j]
+            nxt, prv = (f_in[j + 1], sf[j]) if j + 1 < S else (None, 0.0), (b_in[j - 1], sb[j]) if j else (None, 0.0)
+            while k < 2 * m:
+                x = seq[k]
+                if x >= 0:                                       # F(j, x)
+                    r = fin[x]
+                    if r is None:
+                        break
+                    t = (t if t > r else r) + fj
+                    if nxt[0] is None:
+                        bin_[x] = t                              # the loss: B(S-1, x) may start
+                    else:
+                        lk = link_f[j]
+                        nxt[0][x] = link_f[j] = (t if t > lk else lk) + nxt[1]
+                else:                                            # B(j, ~x)
+                    x = ~x
+                    r = bin_[x]
+                    if r is None:
+                        break
+                    lb = t = (t if t > r else r) + bj
+                    if prv[0] is not None:
+                        lk = link_b[j]
+                        prv[0][x] = link_b[j] = (t if t > lk else lk) + prv[1]
+                k += 1
+            left -= k - op[j]
+            op[j], free[j], last[j] = k, t, lb
+        if left == moved:
+            raise AssertionError("1F1B dependencies form a cycle")   # cannot happen: the order is 1F1B's
+    return last
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_f_one_b_sequence(after: int, m: int) -> tuple[int, ...]:
+    """The ops of a stage with ``after`` stages from it on (itself included) under 1F1B:
+    micro-batch x as x for its forward, ~x for its backward."""
+    warm = min(after, m)
+    seq = list(range(warm))
+    for i in range(m - warm):
+        seq += [~i, warm + i]
+    return tuple(seq + [~i for i in range(m - warm, m)])
 
 
 STEP_ALLREDUCES = 3

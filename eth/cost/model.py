@@ -62,19 +62,28 @@ ones, which sub-block 0 carries) in the setup's bytes per element (fp32 or bf16
 gradients; ZeRO's reduce-scatter + all-gather), reduced over N = sum over pipelines
 of the dp degree of the stage that holds the block (one participant per replica),
 over the slowest link among its holders.  Iteration time of a plan
-(:meth:`CostModel.evaluate`) is max over pipelines and stages of Te + the stage's
-optimizer step (:meth:`CostModel.optimizer_ms`, measured profiles only) and the rest of
-the training step outside the compute calls (:meth:`CostModel.step_ms`: end-of-step
-all-reduces, data; measured profiles only; with the profile's measured all-reduce table
-at the plan's world size, the latency of the step's all-reduces over every rank too).
+(:meth:`CostModel.evaluate`) is max over pipelines and stages of the stage's end time
++ its optimizer step (:meth:`CostModel.optimizer_ms`: measured profiles' "optimizer"
+overhead, else the step streamed through device memory) and the rest of the training
+step outside the compute calls (:meth:`CostModel.step_ms`: end-of-step all-reduces, data;
+measured profiles only; with the profile's measured all-reduce table at the plan's world
+size, the latency of the step's all-reduces over every rank too).  The end time is
+:func:`eth.cost.equations.synced_end_times` (``objective="blocks"``, the default: each
+block reduced once its slowest holder in any pipeline is done, for as long as its
+lowest-tp holder needs, one block after another on a stage's link; a stage's backward
+ends as 1F1B plays it, :func:`eth.cost.equations.one_f_one_b_end_times`, with the
+boundary sends on their links) or the paper's Eq. 5 (``objective="eq5"``: Te_i^j with
+the stage's own AR_i^j).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from eth.cost.activations import LayerKeep
-from eth.cost.equations import STEP_ALLREDUCES, StageCost, eq1_pipeline_ms, eq5_end_times
+from eth.cost.equations import (STEP_ALLREDUCES, StageCost, eq1_pipeline_ms, eq5_end_times, one_f_one_b_end_times,
+                                synced_end_times)
 from eth.cost.cut import CutStages
 from eth.cost.floors import StageFloors
 from eth.errors import SpecError
@@ -87,6 +96,14 @@ from eth.profiles.db import ProfileDB, collective_ms
 
 
 _LAYER_OP_SET = frozenset(KNOWN_LAYER_OPS)
+
+
+OBJECTIVES = MappingProxyType({
+    "blocks": "gradient blocks",   # eth.cost.equations.synced_end_times
+    "eq5": "Eq. 5",                # the paper's: each stage's own All-Reduce after its backward
+})
+"""What :meth:`CostModel.evaluate` computes end times by (:attr:`CostModel.objective`),
+with the name tables print."""
 
 
 @dataclass
@@ -104,11 +121,26 @@ class CostModel(StageFloors, CutStages):
     (DeepSpeed's pipeline engine, bench/measured_runs.py), so the
     receiving stage's time holds the transfer as well: Tf_j + recv of its input
     (j > 0), Tb_j + recv of its output gradient (j < S - 1)."""
+    objective: str = "blocks"
+    """How a stage's end time counts the gradient All-Reduce: "blocks" (default) by
+    :func:`eth.cost.equations.synced_end_times`, "eq5" by the paper's Eq. 5 (the stage's
+    own AR_i^j after its own backward)."""
+    optimizer_passes: float = 1.0
+    """Without a measured "optimizer" overhead: how many times the optimizer step streams
+    its bytes through device memory (1: a fused AdamW, Megatron's default, reads each
+    gradient, main weight and moment once and writes the main weight, moments and model
+    weight once; unfused steps take ~3)."""
     _cache: dict = field(default_factory=dict, repr=False)
     _links: dict = field(default_factory=dict, repr=False)
     """Slowest link (Gbit/s) of a rank tuple: tp groups and p2p pairs, memoised."""
     _keeps: dict = field(default_factory=dict, repr=False)
     """:meth:`layer_keep` by the identity of its op-cost dictionary (id -> (ops, keep))."""
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if not self.optimizer_passes >= 0:
+            raise SpecError(f"optimizer_passes must be >= 0, got {self.optimizer_passes}")
 
     @property
     def bytes_per_param(self) -> float:
@@ -327,12 +359,25 @@ class CostModel(StageFloors, CutStages):
         return (ops, reserved, prof.dtype_bytes, sf, sb, sw, sa, extra, tp_parts, ag, send_f, send_b, oh,
                 self.backward_bytes(ops, last))
 
-    def optimizer_ms(self, mbs: int, stage) -> float:
+    def optimizer_ms(self, mbs: int, stage, params: float = 0.0) -> float:
         """The step after the backward on one rank of ``stage`` (measured profiles'
-        overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it;
-        0 without the field), added to the stage's Eq. 5 end time."""
+        overhead_ms "optimizer": layers x per layer + per stage; ZeRO 1/2 step 1/dp of it),
+        added to the stage's end time.  Without that field: ``params`` (the rank's, the
+        stage cost's ``params``; ZeRO 1/2: 1/dp of them, its shard) x the bytes a fused
+        AdamW streams per parameter, gradient g + optimizer state o read and written +
+        model weight w written (read too when fp32 weights are stepped in place): g + 2 o
+        + w (30 for bf16, 28 for fp32 in place), x :attr:`optimizer_passes` / the
+        device's memory bandwidth."""
         if not self.profiles.get(stage.device_type).has_overheads:
-            return 0.0
+            key = ("optimizer", stage.device_type, stage.dp)
+            per_param = self._cache.get(key)
+            if per_param is None:
+                su = self.setup
+                streamed = su.grad_bytes + 2 * su.optimizer_bytes + su.weight_bytes * (1 if su.fp32_master else 2)
+                shard = stage.dp if su.zero_stage > 0 else 1
+                bw = self.cluster.types[stage.device_type].mem_bw_gbs * 1e6      # bytes per ms
+                per_param = self._cache[key] = streamed / shard * self.optimizer_passes / bw
+            return params * per_param
         oh = self.profiles.overheads(stage.device_type, self.model, mbs // stage.dp, stage.tp)
         ms = (stage.layers[1] - stage.layers[0]) * oh[10] + oh[11]
         return ms / stage.dp if self.setup.zero_stage > 0 else ms
@@ -517,30 +562,65 @@ class CostModel(StageFloors, CutStages):
         return stage_allreduce_ms(self, pipelines)
 
     # ------------------------------------------------------------------ plans
-    def evaluate(self, plan, ar=None) -> dict:
-        """Predicted times and memory of a whole plan (Eq. 5 with Eq. 6); ``ar``: the plan's
-        :meth:`stage_allreduce_ms` when the caller has it (it does not depend on Lbs)."""
+    def sync_blocks(self, pipelines) -> list:
+        """The plan's gradient blocks, holders and Eq. 6 times (``eth.cost.sync``)."""
+        from eth.cost.sync import sync_blocks
+
+        return sync_blocks(self, pipelines)
+
+    def evaluate(self, plan, ar=None, blocks=None) -> dict:
+        """Predicted times and memory of a whole plan (end times by :attr:`objective`);
+        ``ar`` and ``blocks``: the plan's :meth:`stage_allreduce_ms` and :meth:`sync_blocks`
+        when the caller has them (they do not depend on Lbs or Mbs)."""
         ar = ar if ar is not None else self.stage_allreduce_ms(plan.pipelines)
         world = sum(len(s.ranks) for p in plan.pipelines for s in p.stages)
-        pipes = []
+        pipes, sync = [], []
         for i, p in enumerate(plan.pipelines):
             costs = self.pipeline_costs(p)
-            ends = self.stage_end_ms(p, costs, ar[i], world)
+            if self.objective == "eq5":
+                ends = self.stage_end_ms(p, costs, ar[i], world)
+            else:
+                ends = self.backward_end_ms(costs, p.lbs, p.mbs)   # E_h: the last backward's end
+                sync.append(i)
             pipes.append({"costs": costs, "end_ms": ends, "ar_ms": ar[i],
                           "pipeline_ms": max(ends) if ends else 0.0})
+        if sync:
+            blocks = blocks if blocks is not None else self.sync_blocks(plan.pipelines)
+            done = synced_end_times({(i, j): e for i in sync for j, e in enumerate(pipes[i]["end_ms"])}, blocks)
+            for i in sync:
+                p, pp = plan.pipelines[i], pipes[i]
+                pp["end_ms"] = [done[i, j] + self.step_after_sync_ms(p, s, c, world)
+                                for j, (s, c) in enumerate(zip(p.stages, pp["costs"]))]
+                pp["pipeline_ms"] = max(pp["end_ms"]) if pp["end_ms"] else 0.0
         if self.setup.zero_stage > 0 and hasattr(plan, "model"):
             self._exact_state_memory(plan, pipes)
         iteration = max(pp["pipeline_ms"] for pp in pipes)
         feasible = all(c.fits for pp in pipes for c in pp["costs"])
         return {"iteration_ms": iteration, "feasible": feasible, "pipelines": pipes}
 
+    def backward_end_ms(self, costs, lbs: int, mbs: int) -> list[float]:
+        """When each stage of a pipeline with stage costs ``costs`` ends its last backward
+        under 1F1B, sends on their links unless :attr:`p2p_blocking`
+        (:func:`eth.cost.equations.one_f_one_b_end_times`), memoised by the stages' times
+        and the micro-batch count."""
+        key = ("1f1b", tuple((c.fwd_ms, c.bwd_ms, c.send_fwd_ms, c.send_bwd_ms) for c in costs),
+               lbs // mbs if lbs > 0 else 0)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = one_f_one_b_end_times(costs, lbs, mbs, not self.p2p_blocking)
+        return list(hit)
+
     def stage_end_ms(self, pipeline, costs, ar_ms, world: int) -> list[float]:
         """When each stage of ``pipeline`` ends its step: Eq. 5's end time from the stage
         costs ``costs`` and AR_i^j ``ar_ms``, plus the stage's optimizer step and the rest
         of the step over ``world`` ranks."""
         ends = eq5_end_times(costs, pipeline.lbs, pipeline.mbs, ar_ms)
-        return [e + self.optimizer_ms(pipeline.mbs, s) + self.step_ms(pipeline, s, world)
-                for e, s in zip(ends, pipeline.stages)]
+        return [e + self.step_after_sync_ms(pipeline, s, c, world) for e, s, c in zip(ends, pipeline.stages, costs)]
+
+    def step_after_sync_ms(self, pipeline, stage, cost: StageCost, world: int) -> float:
+        """What a rank of ``stage`` runs after its gradients are reduced: the optimizer
+        step (:meth:`optimizer_ms`) and the rest of the training step (:meth:`step_ms`)."""
+        return self.optimizer_ms(pipeline.mbs, stage, cost.params) + self.step_ms(pipeline, stage, world)
 
     def _exact_state_memory(self, plan, pipes) -> None:
         """ZeRO: replace each stage's model-state estimate (N = its dp) by the largest
@@ -568,5 +648,6 @@ class CostModel(StageFloors, CutStages):
                                 "allreduce_ms": round(arm, 4), "end_ms": round(end, 4),
                                 "memory_gb": round(c.memory_bytes / 1e9, 4),
                                 "capacity_gb": round(c.capacity_bytes / 1e9, 4)}
-        plan.predicted = {"iteration_ms": round(ev["iteration_ms"], 4), "feasible": ev["feasible"]}
+        plan.predicted = {"iteration_ms": round(ev["iteration_ms"], 4), "feasible": ev["feasible"],
+                          "objective": self.objective}
         return ev

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from dataclasses import dataclass
 from functools import lru_cache
 
 from eth.layout.params import block_position, block_specs, stage_blocks
@@ -198,3 +199,65 @@ def _holding(q, starts, layer: int):
         if hs.layers[0] <= layer < hs.layers[1]:
             return hs
     return q.stages[stage_holding(q, layer)]   # no such stage: its error
+
+
+@dataclass(frozen=True)
+class SyncBlock:
+    """One fused gradient block: the stages (pipeline, stage) that hold it and, per holder,
+    Eq. 6 for the holder's share (its tp rank 0: tp share + replicated parameters)."""
+
+    holders: tuple[tuple[int, int], ...]
+    holder_ms: tuple[float, ...]
+    label: str = ""
+
+    @property
+    def duration_ms(self) -> float:
+        """The block's All-Reduce alone: its lowest-tp holder, which carries the most of
+        it, sets the pace (each of its sub-block collectives waits for that holder)."""
+        return max(self.holder_ms, default=0.0)
+
+
+def sync_blocks(cost, pipelines) -> list[SyncBlock]:
+    """The gradient blocks of ``pipelines`` with their holders and Eq. 6 times.
+
+    Parts: every layer segment between consecutive stage boundaries (of all pipelines
+    together) is held by one stage per pipeline; the embedding (word + position) by
+    every first stage, final layernorm + head by every last stage; a plan whose stages
+    start or end inside a layer, block by block (:func:`eth.layout.params.stage_blocks`).
+    Parts with the same holder set are fused into one block, which the runtime reduces
+    with one collective per sub-block group (``eth.layout.blocks``).  A holder's time is
+    Eq. 6 over N = the holders' summed dp degrees and the slowest link among all their
+    ranks, the figures :func:`stage_allreduce_ms` sums per stage."""
+    from types import SimpleNamespace
+
+    from eth.cost.equations import eq6_allreduce_ms
+
+    model, cluster = cost.model, cost.cluster
+    parts: dict[tuple, list[tuple[str, tuple[int, int]]]] = {}
+    if any(getattr(st, "ops", None) is not None for q in pipelines for st in q.stages):
+        holding: dict[str, list] = {}
+        for where, keys in stage_blocks(SimpleNamespace(model=model, pipelines=pipelines)).items():
+            for key in keys:
+                holding.setdefault(key, []).append(where)
+        for key, holders in sorted(holding.items(), key=lambda kv: block_position(kv[0])):
+            name = {"embedding": "emb", "head": "head"}.get(key, key.replace("layer ", "L"))
+            parts.setdefault(tuple(holders), []).append((name, block_split(model, key)))
+    else:
+        cuts = sorted({b for q in pipelines for st in q.stages for b in st.layers})
+        layer_part, layer_repl = block_split(model, "layer 0")
+        for a, b in zip(cuts, cuts[1:]):
+            holders = tuple((i, stage_holding(q, a)) for i, q in enumerate(pipelines))
+            parts.setdefault(holders, []).append((f"L{a}-{b - 1}", ((b - a) * layer_part, (b - a) * layer_repl)))
+        first = tuple((i, 0) for i in range(len(pipelines)))
+        last = tuple((i, len(q.stages) - 1) for i, q in enumerate(pipelines))
+        parts.setdefault(first, []).insert(0, ("emb", block_split(model, "embedding")))
+        parts.setdefault(last, []).append(("head", block_split(model, "head")))
+    per_elem, blocks = cost.grad_bytes, []
+    for holders, items in parts.items():
+        stages = [pipelines[i].stages[j] for i, j in holders]
+        n = sum(s.dp for s in stages)
+        gbps = cluster.link_gbps([r for s in stages for r in s.ranks])
+        times = tuple(sum(eq6_allreduce_ms((part / s.tp + repl) * per_elem, n, gbps) for _, (part, repl) in items)
+                      for s in stages)
+        blocks.append(SyncBlock(holders, times, "+".join(name for name, _ in items)))
+    return blocks

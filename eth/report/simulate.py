@@ -22,18 +22,21 @@ Event model (docs/SIMULATOR.md has the longer version):
   as soon as the op is ready and the stream is free (no reordering).  A backward of a
   stage with recomputation is drawn as a recompute event followed by the rest of the
   backward; together they last the cost model's backward compute time.
-* All-Reduce.  Gradients are reduced per *block*: a maximal set of parameters held by
-  the same set of stages (one stage per pipeline), i.e. the layer segments cut by every
-  pipeline's stage boundaries, with the embedding and head added to the first/last
-  stages' blocks and blocks with the same holder set fused (paper section 4.3).  A
-  block's All-Reduce starts when ALL its holders finished their last backward and their
-  comm streams are free (blocks are list-scheduled in order of that readiness); it lasts
-  max over holders of Eq. 6 for the holder's shard (params / tp, so the lowest-tp holder,
-  which takes part in tp_max / tp partitioned blocks, sets the pace).
-* Optimizer step.  After a stage's last All-Reduce: memory-bound AdamW over the
-  device's shard, ``params x bytes_per_param x optimizer_passes / memory bandwidth``
-  (:class:`SimOptions`; the training setup's bytes per parameter of weights, grads and
-  Adam states, touched ~3 times: read, update, write back).  The global grad-norm reduction is not modelled.
+* All-Reduce.  Gradients are reduced per *block* (``eth.cost.sync.sync_blocks``): a
+  maximal set of parameters held by the same set of stages (one stage per pipeline),
+  i.e. the layer segments cut by every pipeline's stage boundaries, with the embedding
+  and head added to the first/last stages' blocks and blocks with the same holder set
+  fused (paper section 4.3).  As the runtime does (one asynchronous collective per
+  holder set, ``megatron.hpp.distributed.grad_sync``), a block's reduction starts when
+  ALL its holders finished their last backward, whatever other blocks are in flight,
+  and reductions run concurrently, sharing each stage's link: a block at full speed
+  takes its lowest-tp holder's Eq. 6 time and uses the fraction holder time / that of
+  every holder's link; the links' capacity is shared max-min fairly among the blocks in
+  flight (progressive filling, recomputed whenever a block starts or ends;
+  :mod:`eth.cost.reduction`, which also gives this iteration without the timeline).
+* Optimizer step.  After a stage's last block is reduced: the cost model's step
+  (:meth:`eth.cost.model.CostModel.step_after_sync_ms`: the measured "optimizer" and
+  "step" overheads, or AdamW streamed through device memory).
 
 Durations come from :class:`eth.cost.model.CostModel` (:func:`plan_timings`): the stage's
 ``fwd_ms``/``bwd_ms`` minus the p2p send the cost model folded into them become the
@@ -46,10 +49,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from eth.cost.equations import StageCost, eq6_allreduce_ms
+from eth.cost.equations import StageCost
 from eth.cost.model import CostModel
-from eth.layout.params import block_position, stage_blocks
-from eth.spec.plan import stage_holding
+from eth.cost.reduction import reduce_blocks
+from eth.cost.sync import SyncBlock
 from eth.profiles.db import ProfileDB
 
 KINDS = ("forward", "backward", "recompute", "comm", "allreduce", "optimizer")
@@ -60,15 +63,8 @@ COMPUTE_KINDS = ("forward", "recompute", "backward")
 class SimOptions:
     """Knobs of the parts of the iteration the cost model does not describe."""
 
-    optimizer_passes: float = 3.0
-    """How many times the optimizer step streams the device's bytes_per_param x params
-    through memory (read states + grads, write states + weights; ~3 for unfused AdamW)."""
     optimizer: bool = True
     """Simulate the optimizer step at all."""
-
-    def __post_init__(self):
-        if self.optimizer_passes < 0:
-            raise ValueError(f"optimizer_passes must be >= 0, got {self.optimizer_passes}")
 
 
 @dataclass(frozen=True)
@@ -86,7 +82,8 @@ class StageTiming:
     send_bwd_ms: float = 0.0
     """Transfer of the input gradient to the previous stage (ignored on the first stage)."""
     optimizer_ms: float = 0.0
-    """Optimizer step after the stage's gradients are reduced (once per iteration)."""
+    """Optimizer step and the rest of the training step after the stage's gradients
+    are reduced (once per iteration)."""
 
     def __post_init__(self):
         for name in ("fwd_ms", "bwd_ms", "recompute_ms", "send_fwd_ms", "send_bwd_ms", "optimizer_ms"):
@@ -112,15 +109,6 @@ class PipelineTiming:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage")
-
-
-@dataclass(frozen=True)
-class AllReduceBlock:
-    """One fused gradient block and the stages (pipeline, stage) that hold it."""
-
-    holders: tuple[tuple[int, int], ...]
-    duration_ms: float
-    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,6 +143,8 @@ class StageStats:
     compute_ms: float
     """Forward + recompute + backward events."""
     allreduce_ms: float
+    """What the stage's link carries of the gradient reduction: its share's Eq. 6 time
+    summed over its blocks (in flight, a block may take longer: shared links, late partners)."""
     optimizer_ms: float
     last_backward_ms: float
     """End of the stage's last backward."""
@@ -210,38 +200,30 @@ def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> lis
     return order
 
 
-def simulate_timings(pipelines: Sequence[PipelineTiming], blocks: Sequence[AllReduceBlock] = (),
+def simulate_timings(pipelines: Sequence[PipelineTiming], blocks: Sequence[SyncBlock] = (),
                      ranks: Sequence[Sequence[tuple[int, ...]]] | None = None) -> SimResult:
-    """Simulate pipelines given per-stage timings and All-Reduce blocks.
+    """Simulate pipelines given per-stage timings and gradient blocks.
 
     ``ranks[i][j]`` (optional) are the global ranks of stage j of pipeline i, used only
     to report per-device busy time.
     """
     for b in blocks:
+        if len(b.holder_ms) != len(b.holders):
+            raise ValueError(f"all-reduce block {b.label!r}: {len(b.holders)} holders, {len(b.holder_ms)} times")
         for p, j in b.holders:
             if not (0 <= p < len(pipelines) and 0 <= j < len(pipelines[p].stages)):
                 raise ValueError(f"all-reduce block {b.label!r} names stage ({p}, {j}) which does not exist")
     events: list[Event] = []
     last_bwd = _run_pipelines(pipelines, events)
-
-    # gradient All-Reduce: list scheduling of blocks on the holders' comm streams
-    comm_free = dict(last_bwd)                  # (pipeline, stage) -> comm stream free from
+    reduced = _reduce_blocks(blocks, last_bwd, events)
     ar_ms = {key: 0.0 for key in last_bwd}
-    ready = sorted(range(len(blocks)), key=lambda k: (max(last_bwd[h] for h in blocks[k].holders), k))
-    for k in ready:
-        block = blocks[k]
-        if block.duration_ms <= 0:
-            continue
-        start = max(comm_free[h] for h in block.holders)
-        end = start + block.duration_ms
-        for p, j in block.holders:
-            events.append(Event(p, j, "allreduce", None, start, end, label=block.label))
-            comm_free[(p, j)] = end
-            ar_ms[(p, j)] += block.duration_ms
+    for b in blocks:
+        for h, ms in zip(b.holders, b.holder_ms):
+            ar_ms[h] += ms
 
     # optimizer step after each stage's last All-Reduce
     stage_end = {}
-    for (p, j), t in comm_free.items():
+    for (p, j), t in reduced.items():
         opt = pipelines[p].stages[j].optimizer_ms
         if opt > 0:
             events.append(Event(p, j, "optimizer", None, t, t + opt))
@@ -260,6 +242,18 @@ def simulate_timings(pipelines: Sequence[PipelineTiming], blocks: Sequence[AllRe
         stats.append(row)
     events.sort(key=lambda e: (e.start_ms, e.pipeline, e.stage, KINDS.index(e.kind)))
     return SimResult(iteration, stats, events)
+
+
+def _reduce_blocks(blocks: Sequence[SyncBlock], last_bwd: dict, events: list[Event]) -> dict:
+    """Play the gradient reduction (:func:`eth.cost.reduction.reduce_blocks`); append one
+    "allreduce" event per block and holder; return (pipeline, stage) -> when its last
+    block is reduced."""
+    done, start, finish = reduce_blocks(blocks, last_bwd)
+    for b, s, f in zip(blocks, start, finish):
+        if b.duration_ms > 0:
+            for p, j in b.holders:
+                events.append(Event(p, j, "allreduce", None, s, f, label=b.label))
+    return done
 
 
 def _run_pipelines(pipelines: Sequence[PipelineTiming], events: list[Event]) -> dict[tuple[int, int], float]:
@@ -349,17 +343,15 @@ def _run_pipelines(pipelines: Sequence[PipelineTiming], events: list[Event]) -> 
 
 # ---------------------------------------------------------------------- from a plan
 def plan_timings(plan, cost_model: CostModel, options: SimOptions = SimOptions()
-                 ) -> tuple[list[PipelineTiming], list[AllReduceBlock]]:
-    """Stage timings and All-Reduce blocks of ``plan`` from the cost model."""
+                 ) -> tuple[list[PipelineTiming], list[SyncBlock]]:
+    """Stage timings and gradient blocks of ``plan`` from the cost model."""
     pipelines = []
+    world = plan.world_size
     for p in plan.pipelines:
         costs = cost_model.pipeline_costs(p)
         stages = []
         for st, c in zip(p.stages, costs):
-            opt = 0.0
-            if options.optimizer:
-                bw = cost_model.cluster.types[st.device_type].mem_bw_gbs * 1e9 / 1e3  # bytes per ms
-                opt = c.params * cost_model.bytes_per_param * options.optimizer_passes / bw
+            opt = cost_model.step_after_sync_ms(p, st, c, world) if options.optimizer else 0.0
             # the cost model folds the boundary sends into fwd/bwd; the simulator runs
             # them as separate transfer events, unless they block both ends
             # (CostModel.p2p_blocking): then sender and receiver compute streams hold them
@@ -368,56 +360,7 @@ def plan_timings(plan, cost_model: CostModel, options: SimOptions = SimOptions()
                                       recompute_ms=c.recompute_ms, send_fwd_ms=sends[0],
                                       send_bwd_ms=sends[1], optimizer_ms=opt))
         pipelines.append(PipelineTiming(p.num_microbatches, tuple(stages)))
-    return pipelines, allreduce_blocks(plan, cost_model)
-
-
-def allreduce_blocks(plan, cost_model: CostModel) -> list[AllReduceBlock]:
-    """Fused gradient blocks of ``plan`` with their holders and Eq. 6 durations.
-
-    Parts: every layer segment between consecutive stage boundaries (of all pipelines
-    together) is held by one stage per pipeline; the embedding (word + position) by
-    every first stage, final layernorm + head by every last stage.  Parts with the same
-    holder set are fused into one block.  A holder with tensor parallelism ``tp`` keeps
-    its tp share of each part's tp-partitioned parameters and (tp rank 0) all its
-    tp-replicated ones (the block-wise layout, ``eth.cost.sync``); its time in the
-    block is Eq. 6 over N = sum of the
-    holders' dp degrees and the slowest link among all holder ranks, the same figures
-    as CostModel.stage_allreduce_ms; the block lasts the longest holder time.
-    """
-    from eth.cost.sync import block_split
-
-    model, cluster = cost_model.model, cost_model.cluster
-    pipes = plan.pipelines
-    parts: dict[tuple, list[tuple[str, tuple[int, int]]]] = {}
-    if plan.cuts_layers:   # layers cut inside: block by block (eth.layout.params.stage_blocks)
-        holding: dict[str, list] = {}
-        for where, keys in stage_blocks(plan).items():
-            for key in keys:
-                holding.setdefault(key, []).append(where)
-        for key, holders in sorted(holding.items(), key=lambda kv: block_position(kv[0])):
-            name = {"embedding": "emb", "head": "head"}.get(key, key.replace("layer ", "L"))
-            parts.setdefault(tuple(holders), []).append((name, block_split(model, key)))
-    else:
-        cuts = sorted({b for p in pipes for s in p.stages for b in s.layers})
-        layer_part, layer_repl = block_split(model, "layer 0")
-        for a, b in zip(cuts, cuts[1:]):
-            holders = tuple((i, stage_holding(p, a)) for i, p in enumerate(pipes))
-            parts.setdefault(holders, []).append((f"L{a}-{b - 1}", ((b - a) * layer_part, (b - a) * layer_repl)))
-        first = tuple((i, 0) for i in range(len(pipes)))
-        last = tuple((i, len(p.stages) - 1) for i, p in enumerate(pipes))
-        parts.setdefault(first, []).insert(0, ("emb", block_split(model, "embedding")))
-        parts.setdefault(last, []).append(("head", block_split(model, "head")))
-
-    blocks = []
-    for holders, items in parts.items():
-        stages = [pipes[i].stages[j] for i, j in holders]
-        n = sum(s.dp for s in stages)
-        gbps = cluster.link_gbps([r for s in stages for r in s.ranks])
-        # tp rank 0 of a holder carries its tp share plus the tp-replicated parameters
-        duration = max(sum(eq6_allreduce_ms((part / s.tp + repl) * cost_model.grad_bytes, n, gbps)
-                           for _, (part, repl) in items) for s in stages)
-        blocks.append(AllReduceBlock(holders, duration, "+".join(name for name, _ in items)))
-    return blocks
+    return pipelines, cost_model.sync_blocks(plan.pipelines)
 
 
 def simulate(plan, cost_model: CostModel | None = None, profiles: ProfileDB | None = None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from eth.cost.model import OBJECTIVES
 from eth.spec.model import KNOWN_LAYER_OPS, LAYER_OPS, layer_ops
 
 # Short names of the 13 layer ops; AS, AD, Qkv and Sco as in the paper's Table 3.
@@ -46,7 +47,8 @@ _PLAN_TERMS = (
     ("Mbs", "micro-batch size of the pipeline (samples per micro-batch)"),
     ("Lbs", "local batch size: the pipeline's share of the global batch (gbs = sum of Lbs)"),
     ("micro-batches", "Lbs / Mbs, the 1F1B micro-batches the pipeline runs per iteration"),
-    ("Eq.5", "the pipeline's predicted iteration time (paper Eq. 5: 1F1B + gradient All-Reduce)"),
+    ("pred.", "the pipeline's predicted end: 1F1B, its stages' gradient All-Reduce and optimizer step,\n"
+              "by the plan's objective (gradient blocks, or the paper's Eq. 5)"),
     ("Stage", "stage index inside the pipeline (0 holds the embedding, the last one the loss)"),
     ("Ranks", "global ranks of the stage (torchrun RANK; node-major, as the cluster YAML lists nodes)"),
     ("Dev.", "device type x number of devices of the stage"),
@@ -148,14 +150,15 @@ def format_plan_table(plan) -> str:
             f"gbs {plan.gbs}, cluster {plan.cluster.name} ({plan.world_size} ranks: {types})")
     lines = [head]
     if "iteration_ms" in plan.predicted:
-        lines.append(f"Predicted iteration (cost model, Eq. 5): {plan.predicted['iteration_ms']:.2f} ms"
+        objective = OBJECTIVES[plan.predicted.get("objective", "eq5")]
+        lines.append(f"Predicted iteration (cost model, {objective}): {plan.predicted['iteration_ms']:.2f} ms"
                      + ("" if plan.predicted.get("feasible", True) else "  [INFEASIBLE: memory]"))
     header = ["Stage", "Ranks", "Dev.", "TP/DP", "#L", "Layers", "Recomp. Operator",
               "Fwd ms", "Bwd ms", "Mem GB"]
     over = False
     for i, p in enumerate(plan.pipelines):
         lines.append("")
-        extra = f"  Eq.5 {p.predicted['pipeline_ms']:.2f} ms" if "pipeline_ms" in p.predicted else ""
+        extra = f"  pred. {p.predicted['pipeline_ms']:.2f} ms" if "pipeline_ms" in p.predicted else ""
         lines.append(f"Pipe-{i}  Mbs={p.mbs}  Lbs={p.lbs}  ({p.num_microbatches} micro-batches){extra}")
         rows = []
         for j, s in enumerate(p.stages):
@@ -221,7 +224,8 @@ def format_sim_summary(plan, result) -> str:
     if "iteration_ms" in plan.predicted:
         pred = plan.predicted["iteration_ms"]
         diff = (result.iteration_ms - pred) / pred * 100 if pred else 0.0
-        lines[0] += f"  (Eq. 5 prediction {pred:.2f} ms, simulation {diff:+.1f}%)"
+        objective = OBJECTIVES[plan.predicted.get("objective", "eq5")]
+        lines[0] += f"  (predicted by {objective} {pred:.2f} ms, simulation {diff:+.1f}%)"
     header = ["Pipe", "Stage", "Ranks", "1F1B end", "Compute", "Bubble", "AllReduce",
               "Optimizer", "Idle", "Busy %"]
     rows = []

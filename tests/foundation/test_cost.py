@@ -157,14 +157,40 @@ def test_stage_allreduce_by_hand(tiny, cpu_cluster, flat_db):
 
 
 def test_evaluate_uses_eq5_with_allreduce(tiny, cpu_cluster, flat_db):
-    cm = CostModel(tiny, cpu_cluster, flat_db)
+    """objective "eq5": the paper's Eq. 5 with the stage's own AR_i^j; "blocks" (the
+    default): each block after its slowest holder, one after another on a stage's link
+    (eth.cost.equations.synced_end_times); both plus the optimizer step streamed through
+    memory (no measured optimizer time in this profile)."""
     p0, p1 = _pipes(tiny)
-    ev = cm.evaluate(NS(pipelines=[p0, p1]))
-    ar = cm.stage_allreduce_ms([p0, p1])
-    c0 = cm.pipeline_costs(p0)
+    plan = NS(pipelines=[p0, p1])
+    paper = CostModel(tiny, cpu_cluster, flat_db, objective="eq5", optimizer_passes=0)
+    ev = paper.evaluate(plan)
+    ar = paper.stage_allreduce_ms([p0, p1])
+    c0, c1 = paper.pipeline_costs(p0), paper.pipeline_costs(p1)
     assert ev["pipelines"][0]["end_ms"] == pytest.approx(eq5_end_times(c0, 6, 2, ar[0]))
     assert ev["iteration_ms"] == max(pp["pipeline_ms"] for pp in ev["pipelines"])
     assert ev["feasible"]
+    # blocks: emb+L0-2 on (P0 S0, P1 S0), L3+head on (P0 S0, P1 S1); P1 is done first, so
+    # both blocks wait for P0 S0, whose link carries both of its shares one after the other
+    cm = CostModel(tiny, cpu_cluster, flat_db, optimizer_passes=0)
+    blocks = cm.sync_blocks([p0, p1])
+    assert sorted(b.holders for b in blocks) == [((0, 0), (1, 0)), ((0, 0), (1, 1))]
+    e0, e1 = eq5_end_times(c0, 6, 2), eq5_end_times(c1, 2, 1)
+    assert max(e1) < e0[0]
+    got = cm.evaluate(plan)
+    own = [dict(zip(b.holders, b.holder_ms)) for b in blocks]
+    assert got["iteration_ms"] == pytest.approx(e0[0] + sum(o[0, 0] for o in own))
+    assert got["iteration_ms"] == pytest.approx(ev["iteration_ms"])        # P0's own shares: the same
+    late = max(b.duration_ms for b in blocks)      # a P1 stage ends with its block, not at its own end + AR
+    assert got["pipelines"][1]["end_ms"][1] >= e0[0] + min(o[0, 0] for o in own) - 1e-9
+    assert got["pipelines"][1]["end_ms"][1] > ev["pipelines"][1]["end_ms"][1] and late > 0
+    # the optimizer step: params x the bytes a fused AdamW streams / memory bandwidth
+    with_opt = CostModel(tiny, cpu_cluster, flat_db).evaluate(plan)
+    bw = cpu_cluster.types["cpu"].mem_bw_gbs * 1e6
+    step = c0[0].params * (4 + 2 * 12 + 2) / bw       # fused AdamW, bf16 weights, fp32 main copy
+    assert with_opt["pipelines"][0]["end_ms"][0] == pytest.approx(got["pipelines"][0]["end_ms"][0] + step)
+    with pytest.raises(Exception, match="objective must be one of blocks, eq5, got 'eq7'"):
+        CostModel(tiny, cpu_cluster, flat_db, objective="eq7")
 
 
 def test_boundary_sends_use_the_link_to_each_neighbour(tiny, flat_db):

@@ -305,14 +305,14 @@ def test_step_overhead_is_added_once_per_stage_end_and_not_stretched_by_emulatio
     for data, step in ((_with_overheads(), (0.7, 0.05)), (flat_profile(mbs=(1, 2)), (0.0, 0.0))):
         db = ProfileDB({"cpu": DeviceProfile(data)})
         db.ensure(TINY, [replace(cpu, name="cpu-e", emulate_speed=0.5)])
-        cm = CostModel(TINY, cluster, db, setup)
+        cm = CostModel(TINY, cluster, db, setup, objective="eq5")
         pipe = plan.pipelines[0]
         assert [cm.step_ms(pipe, s) for s in pipe.stages] == pytest.approx(
             [step[0] + 8 / 2 * step[1], step[0] + 8 * step[1]])
         ev = cm.evaluate(plan)
         costs = cm.pipeline_costs(pipe)
         ends = eq5_end_times(costs, pipe.lbs, pipe.mbs, ev["pipelines"][0]["ar_ms"])
-        want = [e + cm.optimizer_ms(2, s) + cm.step_ms(pipe, s) for e, s in zip(ends, pipe.stages)]
+        want = [e + cm.optimizer_ms(2, s, c.params) + cm.step_ms(pipe, s) for e, s, c in zip(ends, pipe.stages, costs)]
         assert ev["pipelines"][0]["end_ms"] == pytest.approx(want)
         assert ev["iteration_ms"] == pytest.approx(max(want))
     # only there: the stage costs (fwd, bwd, Eq. 1) are those of the same profile without it
