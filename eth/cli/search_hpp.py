@@ -57,6 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with three or more device types, stop enumerating device groups after this many "
                         "in a row did not make the best plan 0.1%% faster (0: every group)")
     p.add_argument("--max-stages", type=int, default=16)
+    p.add_argument("--objective", default="blocks", choices=("blocks", "eq5"),
+                   help="what the plan is scored by: blocks (default: each gradient block reduced once its "
+                        "slowest holder in any pipeline is done) or eq5 (the paper's Eq. 5: each stage's own "
+                        "All-Reduce right after its own backward)")
+    p.add_argument("--no-simulate-finalists", action="store_true",
+                   help="return the best finalist by the objective instead of re-scoring those within 2%% of "
+                        "it by the event simulator")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--jobs", type=int, default=usable_cpus(),
                    help="processes the search may use at once (default: the CPUs this process may "
@@ -93,7 +100,8 @@ def _main(argv=None) -> int:
                             max_blocks_per_type=args.max_blocks_per_type, max_blocks=args.max_blocks,
                             type_orders=args.type_orders, patience=args.patience,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
-                            op_boundaries=args.op_boundaries,
+                            op_boundaries=args.op_boundaries, objective=args.objective,
+                            simulate_finalists=not args.no_simulate_finalists,
                             progress=not args.no_progress, jobs=args.jobs,
                             setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
     plan = plan_job(model, cluster, args.profiles, options, args.profiles_fallback)

@@ -305,3 +305,26 @@ def alloc_key(results, batch: bool = True) -> tuple:
         return tuple((r.group.stages, r.state, r.ranks) for r in results)
     return tuple((r.group.stages, r.state, r.ranks,
                   min(len(r.state.stages), max(1, -(-r.batch // r.state.mbs)))) for r in results)
+
+
+def shift_batches(lbs, mbs, score, current: float, rounds: int = 16) -> tuple[tuple[int, ...], float]:
+    """Hill-climb an exact allocation on a whole-plan ``score`` (Lbs vector -> ms) that
+    Eq. 5's lines do not describe (the gradient-timed objective couples the pipelines
+    through the blocks they share): of the moves of lcm(Mbs_i, Mbs_j) samples from a
+    pipeline i to another j, take the best while it lowers the score (at most ``rounds``
+    moves).  Returns (Lbs, its score); sums and multiples of Mbs are kept."""
+    lbs, best = tuple(lbs), current
+    for _ in range(rounds):
+        moves = []
+        for i in range(len(lbs)):
+            for j in range(len(lbs)):
+                step = math.lcm(mbs[i], mbs[j])
+                if i != j and lbs[i] - step >= mbs[i]:
+                    trial = list(lbs)
+                    trial[i] -= step
+                    trial[j] += step
+                    moves.append((score(tuple(trial)), tuple(trial)))
+        if not moves or min(moves)[0] >= best * (1 - 1e-12):
+            break
+        best, lbs = min(moves)
+    return lbs, best

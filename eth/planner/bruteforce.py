@@ -5,7 +5,8 @@ Same space as :mod:`eth.planner.search`: device groups and stage device groups f
 valid tp per stage (dp = devices / tp), every mbs of the form lcm(dp_j) * 2^k <= Gbs,
 recompute derived by the same rule (:meth:`eth.planner.evaluate.Evaluator.fit_stage`),
 and every local batch vector (Lbs_i multiple of Mbs_i, Lbs_i >= Mbs_i, sum = Gbs).
-Each combination is scored by :meth:`eth.cost.model.CostModel.evaluate` (Eq. 5 + Eq. 6).
+Each combination is scored by :meth:`eth.cost.model.CostModel.evaluate` with ``objective``
+(the gradient-timed end times by default, or the paper's Eq. 5 + Eq. 6).
 """
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ def pipeline_configs(ev: Evaluator, blocks, vec, gbs: int, max_stages: int):
 
 
 def brute_force(model, cluster, profiles, gbs: int, max_stages: int = 16,
-                max_blocks_per_type: int = 8, limit: int = 2_000_000) -> tuple[float, Plan | None]:
+                max_blocks_per_type: int = 8, limit: int = 2_000_000,
+                objective: str = "blocks") -> tuple[float, Plan | None]:
     """(best iteration ms, plan) over the whole space; raises if it exceeds ``limit`` combinations."""
-    cost = CostModel(model, cluster, profiles)
+    cost = CostModel(model, cluster, profiles, objective=objective)
     ev = Evaluator(cost)
     blocks = make_blocks(cluster, max_blocks_per_type)
     best = (math.inf, None)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from eth.cost.equations import StageCost, eq1_pipeline_ms, eq6_allreduce_ms
 from eth.cost.model import CostModel
@@ -327,16 +328,17 @@ class Evaluator:
             return _evaluation(math.inf, overflow, costs, recs)
         ms = total + top * (batch / mbs - 1)   # eq1_pipeline_ms
         extra, head_bwd = 0.0, 0.0
-        if shared:          # some stage has dp > 1: its own All-Reduce after the stages before it
-            for c, _, _, ar, _ in hits:
-                if ar is not None:
-                    extra = max(extra, ar - head_bwd)
+        if shared:          # its own All-Reduce (dp > 1) and optimizer step after the stages before it
+            for c, _, _, after, _ in hits:
+                if after is not None:
+                    extra = max(extra, after - head_bwd)
                 head_bwd += c.bwd_ms
         return _evaluation(ms + extra, overflow, costs, recs)
 
     def _stage_entry(self, st: StageState, rng: tuple[int, int], mbs: int, j: int, S: int, nmb: int, ranks,
                      memo=None):
-        """(StageCost, recompute, overflow, own All-Reduce ms or None when dp == 1, total ms).
+        """(StageCost, recompute, overflow, what follows its last backward: own All-Reduce
+        (dp > 1) + optimizer step, ms, or None when both are 0, total ms).
 
         ``memo``: the per-ranks dictionary of :meth:`evaluate`, which also keeps stage j's
         links by (type, tp) and the bandwidth of its own All-Reduce.  The entry depends on
@@ -364,8 +366,9 @@ class Evaluator:
         hit = self._entries.get(ekey)
         if hit is None:
             c, rec, over = self.fit_stage(st, rng, mbs, j, S, nmb, ranks[j], nxt, prv, links)
-            ar = self._allreduce_at(st, first, last, gbps) if gbps is not None else None
-            hit = self._entries[ekey] = (c, rec, over, ar, c.total_ms)
+            after = (self._allreduce_at(st, first, last, gbps) if gbps is not None else 0.0) + \
+                self._optimizer_ms(st, rng, mbs, c)
+            hit = self._entries[ekey] = (c, rec, over, after if after > 0 else None, c.total_ms)
         return hit
 
     def _evaluate_plain(self, state: PipeState, batch: int, ranks) -> Evaluation:
@@ -395,10 +398,23 @@ class Evaluator:
         ms = eq1_pipeline_ms(costs, batch, state.mbs)
         extra, head_bwd = 0.0, 0.0
         for j, (st, rng) in enumerate(zip(state.stages, ranges)):
-            if st.dp > 1:
-                extra = max(extra, self.own_allreduce_ms(st, rng, ranks[j]) - head_bwd)
+            after = (self.own_allreduce_ms(st, rng, ranks[j]) if st.dp > 1 else 0.0) + \
+                self._optimizer_ms(st, rng, state.mbs, costs[j])
+            if after > 0:
+                extra = max(extra, after - head_bwd)
             head_bwd += costs[j].bwd_ms
         return Evaluation(ms + extra, overflow, tuple(costs), tuple(recs))
+
+    def tails(self, state: PipeState, costs, ar_row) -> list[float]:
+        """What follows each stage's last backward in Eq. 5's lines
+        (:func:`eth.planner.allocate.pipeline_line`): AR_i^j and the optimizer step."""
+        return [a + self._optimizer_ms(st, rng, state.mbs, c)
+                for a, st, rng, c in zip(ar_row, state.stages, state.layer_ranges(), costs)]
+
+    def _optimizer_ms(self, st: StageState, layers: tuple[int, int], mbs: int, cost: StageCost) -> float:
+        """The stage's optimizer step after its backward (:meth:`CostModel.optimizer_ms`)."""
+        where = SimpleNamespace(device_type=st.device_type, tp=st.tp, dp=st.dp, layers=layers)
+        return self.cost.optimizer_ms(mbs, where, cost.params)
 
     def own_allreduce_ms(self, st: StageState, layers: tuple[int, int], ranks) -> float:
         """Eq. 6 for a stage's gradients over its own dp replicas (as CostModel does per block)."""

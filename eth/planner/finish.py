@@ -21,7 +21,8 @@ def finish(search) -> dict:
     symmetric groups to descend (:func:`eth.planner.symmetric.descend_best`) follows in
     this process, and all is adopted here in one order: the same plan.  The pieces start
     largest first (devices per pipeline), so that the processes end close together.
-    Returns the symmetric record for ``plan.search``."""
+    The polished groups and the best plan are left in ``search.finalists``
+    (:mod:`eth.planner.finalists`).  Returns the symmetric record for ``plan.search``."""
     counts = symmetric_counts(search) if search.opt.symmetric and not search.out_of_time() else []
     work = [("symmetric", k, per) for k, per in counts] + [("polish", c) for c in search.top]
     evaluations = search.ev.evaluations
@@ -56,8 +57,10 @@ def finish(search) -> dict:
     for item, d in zip(work, done):
         if item[0] == "polish":
             better = lightest(search, d.value)
+            search.finalists.append(better)
             if better.iteration_ms < search.best.iteration_ms * (1 - 1e-9):
                 search.best = better
+    search.finalists.append(search.best)
     return symmetric
 
 

@@ -48,14 +48,15 @@ pipeline takes about a second there)."""
 
 def refine_search(search, plan):
     """``--op-boundaries`` at the end of :class:`eth.planner.search.HPPSearch`: ``plan``
-    (the search's best), the polished groups' plans within :data:`OP_BOUNDARY_MARGIN` of
+    (the search's choice, :meth:`eth.planner.search.HPPSearch.final_choice`), the polished groups' plans within :data:`OP_BOUNDARY_MARGIN` of
     it, and the :data:`OP_BOUNDARY_VARIANTS` deeper variants of ``plan`` with the lowest
     floors (:func:`deeper`); after ``plan`` the others by ascending
     :func:`balanced_floor`, skipping those whose floor is not below the best time so far,
     each refined (:func:`refine_boundaries`; a group or a pipeline depth whose whole-layer
     split is slower may hold the better split inside layers).  The fastest, with its
     record for plan.search (``candidates``: how many were refined)."""
-    opt, cost, best_ms = search.opt, search.cost, search.best.iteration_ms
+    opt, cost = search.opt, search.cost
+    best_ms = cost.evaluate(plan)["iteration_ms"]
     others = [c.plan for c in sorted(search.top, key=lambda c: c.iteration_ms)
               if c.plan is not plan and c.iteration_ms <= best_ms * OP_BOUNDARY_MARGIN]
     seen, variants = {p.content_hash() for p in [plan] + others}, []

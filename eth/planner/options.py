@@ -6,6 +6,12 @@ from dataclasses import asdict, dataclass
 from eth.errors import SpecError
 from eth.spec.precision import TrainSetup
 
+SEARCH_OBJECTIVE = "eq5"
+"""What the HPP search and the baselines rank candidates by inside
+(``eth.cost.model.CostModel.objective``): the paper's Eq. 5, for which the lines the batch
+allocation balances and the floors that prune are exact.  Their answers are scored by
+``SearchOptions.objective`` (``eth.planner.finalists``)."""
+
 STRATEGIES = ("hpp", "uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong", "typesplit")
 """Search strategies known to :func:`eth.planner.search.search`: hpp and the baselines of
 eth.planner.baselines (Megatron uniform, Metis and HexiScale as published and their
@@ -140,6 +146,15 @@ class SearchOptions:
     setup: TrainSetup = TrainSetup()
     """Precision, ZeRO stage and gradient dtype to plan for (memory, Eq. 6); recorded in
     the plan (``plan.training``) and used by the runtime."""
+    objective: str = "blocks"
+    """What the search minimises (``eth.cost.model.CostModel.objective``): "blocks" (each
+    gradient block reduced once its slowest holder in any pipeline is done, as the
+    runtime does) or "eq5" (the paper's Eq. 5: a stage's own All-Reduce after its own
+    backward)."""
+    simulate_finalists: bool = True
+    """Re-score the search's finalists within ``eth.planner.finalists.FINALIST_MARGIN`` of
+    the best by the event simulator and return the fastest simulated
+    (:mod:`eth.planner.finalists`); off: the best by the objective."""
 
     def __post_init__(self):
         if not isinstance(self.gbs, int) or isinstance(self.gbs, bool) or self.gbs <= 0:
@@ -155,6 +170,8 @@ class SearchOptions:
                             f"{self.stage_groups_topk}, {self.polish_top}")
         if self.patience_gain < 0:
             raise SpecError(f"patience_gain must be >= 0, got {self.patience_gain}")
+        if self.objective not in ("blocks", "eq5"):
+            raise SpecError(f"objective must be one of blocks, eq5, got {self.objective!r}")
         for name in ("type_orders", "max_blocks", "patience"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")

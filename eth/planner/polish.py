@@ -113,7 +113,7 @@ def _variant_allocation(search, results: list[PipelineResult]) -> Candidate | No
             state = replace(r.state, mbs=m)
             e = search.ev.evaluate(state, gbs, r.ranks)
             if e.feasible:
-                opts.append((m,) + pipeline_line(e.costs, m, a))
+                opts.append((m,) + pipeline_line(e.costs, m, search.ev.tails(state, e.costs, a)))
                 vs.append(PipelineResult(r.vec, gbs, r.group, state, e, r.ranks))
         options.append(opts)
         variants.append(vs)

@@ -53,12 +53,14 @@ from eth.planner.allocate import Allocation, alloc_key, allocate, pipeline_line
 from eth.planner.bounds import approximate_bound, dominated, variance_cost
 from eth.planner.collector import paused
 from eth.planner.dynprog import split_dp
+from eth.planner.finalists import SHIFTED, choose, shifted_lbs
+from eth.cost.reduction import simulated_iteration_ms
 from eth.planner.enumerate import (TimeUp, assign_ranks, count_groups, device_groups, make_blocks,
                                    pipeline_can_hold, plan_tp_in_nodes)
 from eth.planner.evaluate import Evaluator
 from eth.planner.finish import finish
 from eth.planner.infeasible import infeasible_message, type_too_small
-from eth.planner.options import SearchOptions
+from eth.planner.options import SEARCH_OBJECTIVE, SearchOptions
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import Candidate, finer_microbatches, variant_allocation
 from eth.planner.progress import Clock, PhaseTimer, progress_bar
@@ -117,10 +119,13 @@ class HPPSearch:
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: SearchOptions):
         self.model, self.cluster, self.opt = model, cluster, options
-        self.cost = CostModel(model, cluster, profiles, options.setup)
+        self.cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
+        self.final = CostModel(model, cluster, profiles, options.setup, objective=options.objective)
+        self.finalists: list[Candidate] = []
         self.ev = (RunEvaluator if options.recompute_runs else Evaluator)(self.cost, options.memo)
         self.layouts: dict = {}
         self._ar: dict = {}
+        self._blocks: dict = {}
         self._allocs: dict = {}     # memo of _allocate_group (with ``memo``)
         self.variants: dict = {}    # memo of polish.variant_allocation (with ``memo``)
         self.floor_lines: dict = {}  # memo of polish.allocation_floor's pipeline lines
@@ -245,6 +250,17 @@ class HPPSearch:
             hit = self._ar[key] = self.cost.stage_allreduce_ms(plan.pipelines)
         return [list(row) for row in hit]
 
+    def sync_blocks(self, results, plan) -> list:
+        """:meth:`eth.cost.model.CostModel.sync_blocks` of ``plan`` (built from ``results``),
+        memoised like :meth:`allreduce_ms` (the blocks read the same fields)."""
+        if not self.opt.memo:
+            return self.cost.sync_blocks(plan.pipelines)
+        key = tuple((r.group.stages, r.state.stages) for r in results)
+        hit = self._blocks.get(key)
+        if hit is None:
+            hit = self._blocks[key] = self.cost.sync_blocks(plan.pipelines)
+        return hit
+
     def build_plan(self, results: list[PipelineResult], lbs) -> Plan:
         ranks = self.ranks(results)
         pipelines = []
@@ -281,7 +297,8 @@ class HPPSearch:
             self._reason("a tp group would cross nodes")
             return None
         ar = self.allreduce_ms(results, plan)
-        lines = [pipeline_line(r.evaluation.costs, r.state.mbs, a) for r, a in zip(results, ar)]
+        lines = [pipeline_line(r.evaluation.costs, r.state.mbs, self.ev.tails(r.state, r.evaluation.costs, a))
+                 for r, a in zip(results, ar)]
         alloc: Allocation | None = allocate(lines, [r.state.mbs for r in results], self.opt.gbs,
                                             self.opt.allow_overshoot)
         if alloc is None:
@@ -289,7 +306,8 @@ class HPPSearch:
             return None
         for p, n in zip(plan.pipelines, alloc.lbs):
             p.lbs = n
-        ev = self.cost.evaluate(plan, ar)   # same pipelines and stages: only Lbs changed
+        blocks = self.sync_blocks(results, plan) if self.cost.objective == "blocks" else None
+        ev = self.cost.evaluate(plan, ar, blocks)   # same pipelines and stages: only Lbs changed
         if not ev["feasible"]:
             self._reason("memory after allocation")
             return None
@@ -422,14 +440,26 @@ class HPPSearch:
         self.stats.cost_evaluations = self.ev.evaluations
         if self.best is None:
             raise InfeasibleError(infeasible_message(self))
-        plan = self.best.plan
+        with self.phases("finalists"):
+            plan, finalists = self.final_choice()
         boundaries = None
         if opt.op_boundaries:
             from eth.planner.op_boundaries import refine_search
 
             with self.phases("op_boundaries"):
-                plan, boundaries = refine_search(self, plan)
-        self.cost.annotate(plan)
+                refined, boundaries = refine_search(self, plan)
+            # refined by the search's objective, kept where the final one agrees
+            before = boundaries["before_ms"] = plan.predicted["iteration_ms"]
+            if refined is not plan:
+                self.final.annotate(refined)
+                boundaries["after_ms"] = refined.predicted["iteration_ms"]
+                boundaries["kept"] = refined.predicted["iteration_ms"] < before
+                if boundaries["kept"]:
+                    plan = refined
+                    if opt.simulate_finalists:
+                        plan.predicted["simulated_ms"] = round(simulated_iteration_ms(plan, self.final), 4)
+            else:
+                boundaries["after_ms"] = before
         plan.search = {
             "strategy": opt.strategy, "time_s": round(self.clock.elapsed(), 3),
             "seed": opt.seed, "options": opt.switches(),
@@ -453,9 +483,33 @@ class HPPSearch:
         }
         if opt.symmetric:
             plan.search["symmetric"] = symmetric
+        plan.search["finalists"] = finalists
         if boundaries is not None:
             plan.search["op_boundaries"] = boundaries
         return plan.validate()
+
+    def final_choice(self) -> tuple[Plan, dict]:
+        """The plan to return among :attr:`finalists` (distinct plans, annotated by the
+        final objective, :attr:`final`; the :data:`eth.planner.finalists.SHIFTED` best of
+        them with their Lbs shifted under it, :func:`eth.planner.finalists.shifted_lbs`)
+        and, where simulated, with ``simulated_ms``; and the record of that choice
+        (:func:`eth.planner.finalists.choose`)."""
+        plans, seen = [], set()
+        for cand in self.finalists or [self.best]:
+            key = cand.plan.content_hash()
+            if key not in seen:
+                seen.add(key)
+                self.final.annotate(cand.plan)
+                plans.append(cand.plan)
+        plans.sort(key=lambda p: p.predicted["iteration_ms"])
+        for k, plan in enumerate(plans[:SHIFTED]):
+            shifted = shifted_lbs(self.final, plan)
+            if shifted is not plan:
+                self.final.annotate(shifted)
+                plans[k] = shifted
+        i, record = choose(self.final, plans, self.opt.simulate_finalists)
+        plans[i].predicted["simulated_ms"] = record["simulated_ms"][i]
+        return plans[i], record
 
     def _mark_dp(self, p: int) -> None:
         if not self.stats.dp_triggered_at:
@@ -588,7 +642,7 @@ def _search(model: ModelSpec, cluster: Cluster, profiles: ProfileDB, options: Se
     except InfeasibleError as exc:
         plan, error = None, exc
     seeds.join()
-    plan = seeds.best_of(plan, error)
+    plan = seeds.best_of(plan, error, CostModel(model, cluster, profiles, options.setup, objective=options.objective))
     plan.search["options"] = options.switches()
     plan.search["time_s"] = round(clock.elapsed(), 3)
     plan.search["phase_s"] = dict(plan.search.get("phase_s") or {}, seeds=round(seeds.seconds, 3))

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from eth.errors import InfeasibleError
 from eth.spec.plan import Plan
+from eth.planner.finalists import choose
 from eth.planner.progress import Clock
 from eth.planner.workers import Forked, can_fork
 
@@ -51,19 +52,28 @@ class Seeds:
         if self.beside is not None:
             self.plans, self.seconds = self.beside.result()
 
-    def best_of(self, plan: Plan | None, error: InfeasibleError | None) -> Plan:
+    def best_of(self, plan: Plan | None, error: InfeasibleError | None, cost) -> Plan:
         """The search's ``plan`` (None: it raised ``error``), or the fastest seed's plan
         where that is faster (``seed_won``; the search's record kept), with every seed's
-        time (``seeds_ms``); ``error`` again when there is neither."""
+        time (``seeds_ms``); ``error`` again when there is neither.  Faster: as the search's
+        finalists are chosen (:func:`eth.planner.finalists.choose` with ``cost``, the final
+        objective; the seeds' simulated times in ``seeds_simulated_ms``)."""
         if plan is None and not self.plans:
             raise error
         why = str(error) if error is not None else ""
         if self.plans:
-            name, seed = min(self.plans.items(), key=lambda kv: kv[1].predicted["iteration_ms"])
-            if plan is None or seed.predicted["iteration_ms"] < plan.predicted["iteration_ms"] * (1 - 1e-9):
+            names = list(self.plans)
+            plans = ([] if plan is None else [plan]) + [self.plans[n] for n in names]
+            i, record = choose(cost, plans, self.options.simulate_finalists)
+            sims = record["simulated_ms"][len(plans) - len(names):]
+            if plans[i] is not plan:
+                name, seed = names[i - (len(plans) - len(names))], plans[i]
+                seed.predicted["simulated_ms"] = record["simulated_ms"][i]
                 base = plan.search if plan is not None else {
                     "strategy": "hpp", "search_error": why, "time_limited": "time limit" in why}
                 seed.search = dict(base, seed_won=name, seed_search=seed.search)
                 plan = seed
             plan.search["seeds_ms"] = {k: round(v.predicted["iteration_ms"], 4) for k, v in self.plans.items()}
+            if self.options.simulate_finalists:
+                plan.search["seeds_simulated_ms"] = dict(zip(names, sims))
         return plan

@@ -3,7 +3,9 @@
 It shares nothing with :mod:`eth.planner` (no blocks, stage-group rules, balancer,
 recompute heuristic or Lbs allocation): it imports only the cost model
 (:class:`eth.cost.model.CostModel`, :func:`eth.cost.equations.eq5_end_times`) and the plan dataclasses,
-so its answer is the best plan of the space below by Eq. 5 + Eq. 6 and the memory model.
+so its answer is the best plan of the space below by Eq. 5 + Eq. 6 (the cost model's
+``objective="eq5"``, with the optimizer step after each stage's All-Reduce) and the
+memory model.
 
 The space: every plan the runtime can run on the cluster.
 
@@ -256,7 +258,8 @@ class Exhaustive:
 
     def __init__(self, model, cluster, profiles, gbs: int):
         self.model, self.cluster, self.gbs = model, cluster, gbs
-        self.cost = CostModel(model, cluster, profiles)
+        self.cost = CostModel(model, cluster, profiles, objective="eq5")
+        self.world = cluster.world_size
         self.types = tuple(dict.fromkeys(d.type for d in cluster.devices))
         self.ranks = {t: [d.rank for d in cluster.devices if d.type == t] for t in self.types}
         for t in self.types:
@@ -349,8 +352,7 @@ class Exhaustive:
             for nmb in range(1, self.gbs // mbs + 1):
                 got = [self.stage(p, structure, j, mbs, nmb) for j in range(S)]
                 if all(g is not None for g in got):
-                    choices.append((max(eq5_end_times([g[1] for g in got], mbs * nmb, mbs, ar_row)),
-                                    mbs, nmb, spaces, got))
+                    choices.append((self.pipeline_ms(p, got, mbs * nmb, mbs, ar_row), mbs, nmb, spaces, got))
         choices.sort(key=lambda c: c[0])
         for ms, mbs, nmb, spaces, got in choices:
             lbs = mbs * nmb
@@ -360,13 +362,21 @@ class Exhaustive:
                        for j, g in enumerate(got)]
                 if any(g is None for g in got):
                     continue
-                ms = max(eq5_end_times([g[1] for g in got], lbs, mbs, ar_row))
+                ms = self.pipeline_ms(p, got, lbs, mbs, ar_row)
             for space in spaces:
                 exact, bound = tables[space]
                 bound[lbs] = min(bound.get(lbs, math.inf), ms)
                 if all(g[0] == "exact" for g in got) and ms < exact.get(lbs, (math.inf,))[0]:
                     exact[lbs] = (ms, mbs, [g[2] for g in got])
         return tables
+
+    def pipeline_ms(self, p: PipelinePlan, got, lbs: int, mbs: int, ar_row) -> float:
+        """max_j of Eq. 5 + the stage's step after its All-Reduce (a constant per stage
+        for the analytic profiles here: it is added to AR_i^j)."""
+        at = PipelinePlan(mbs, lbs, p.stages)
+        after = [a + self.cost.step_after_sync_ms(at, st, g[1], self.world)
+                 for a, st, g in zip(ar_row, p.stages, got)]
+        return max(eq5_end_times([g[1] for g in got], lbs, mbs, after))
 
     @staticmethod
     def min_max(tables, gbs):

@@ -6,7 +6,10 @@ slower than a baseline" would hold by construction; here the search runs alone
 (``BASELINES``: uniform, metis, metis-strong, hexiscale, hexiscale-strong, typesplit) on
 seeded random small clusters (1-3 device types, 1-4 devices each, 2-6 layer models, gbs
 4-64, memory cut to 2-4 GB in 30% of the draws).  A baseline that finds no plan is left
-out; the search must find one whenever any baseline does.
+out; the search must find one whenever any baseline does.  Both are compared by the
+paper's Eq. 5, what both rank their candidates by (``SEARCH_OBJECTIVE``; the search's
+finalists are not re-scored here): with few micro-batches the gradient-blocks objective
+plays 1F1B op by op, which their Eq. 5 lines do not see.
 
 Known gaps (``KNOWN_GAPS``, strict xfail, fails once fixed): none.  Draw #2 (2 A100 +
 1 V100 + 3 910B4, m2, gbs 16), where typesplit's plan was 0.19% faster than the unseeded
@@ -21,7 +24,7 @@ import pytest
 from eth.errors import InfeasibleError
 from eth.spec.model import ModelSpec
 from eth.planner.baselines import plan_baseline
-from eth.planner.baselines.common import BASELINES
+from eth.planner.baselines.common import BASELINES, BaselineOptions
 from eth.planner.options import SearchOptions
 from eth.planner.search import search
 
@@ -53,12 +56,14 @@ def test_unseeded_search_is_never_slower_than_a_baseline(i, nodes, model, gbs, m
     cluster = make_cluster(nodes, inter_node_gbps=bw, **({"device_types": memory} if memory else {}))
     db = profiles_for(model, cluster)
     try:
-        hpp = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False)).predicted["iteration_ms"]
+        hpp = search(model, cluster, db, SearchOptions(gbs=gbs, seeds=False, objective="eq5",
+                                                       simulate_finalists=False)).predicted["iteration_ms"]
     except InfeasibleError:
         hpp = float("inf")
     for strategy in BASELINES:
         try:
-            base = plan_baseline(strategy, model, cluster, db, gbs).predicted["iteration_ms"]
+            base = plan_baseline(strategy, model, cluster, db, gbs,
+                                 BaselineOptions(objective="eq5")).predicted["iteration_ms"]
         except InfeasibleError:
             continue
         assert hpp <= base * (1 + 1e-9), (strategy, hpp, base)

@@ -107,9 +107,11 @@ def test_floor_configuration_lies_in_the_planners_space_near_its_optimum(memory,
     """bounds.floor_configuration, phase 1's warm start (balance.warm_start): a configuration
     of the planner's space (layers summing to L, tps valid on the ranks, Mbs = lcm of the
     dps x a power of two dividing the batch), its Eq. 1 time at least the group's floor and
-    near the best of every configuration of that space (measured: median 0.1-2.4%, max
-    4.6% over the 24 stage groups of each case; a wrong split, tp or Mbs choice is far
-    off), and warm_start's evaluated state."""
+    near the best of every configuration of that space (measured: median 0.9-4.7%, max
+    7.9% over the 24 stage groups of each case; the floors leave out the optimizer step
+    after each stage's backward, which grows with the stage's layers and is a large part
+    of these 4-layer pipelines at 1-4 micro-batches; a wrong split, tp or Mbs choice is
+    far off), and warm_start's evaluated state."""
     cluster = _cluster(memory)
     model = M4
     ev = RunEvaluator(CostModel(model, cluster, profiles_for(model, cluster)))
@@ -140,7 +142,7 @@ def test_floor_configuration_lies_in_the_planners_space_near_its_optimum(memory,
                     m *= 2
         assert best < math.inf
         gaps.append(ms / best - 1)
-    assert len(gaps) == 24 and statistics.median(gaps) <= 0.03 and max(gaps) <= 0.08, sorted(gaps)
+    assert len(gaps) == 24 and statistics.median(gaps) <= 0.05 and max(gaps) <= 0.08, sorted(gaps)
 
 
 @pytest.mark.parametrize("memory, batch", [((80, 24, 32), 8), ((4, 3, 3), 16)])

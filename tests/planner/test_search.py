@@ -12,10 +12,12 @@ from eth.errors import InfeasibleError, SpecError
 from eth.spec.model import ModelSpec, get_model
 from eth.spec.plan import load_plan
 from eth.planner.bruteforce import brute_force
+from eth.planner.finalists import FINALIST_MARGIN
+from eth.report.simulate import simulate
 from eth.planner.options import SearchOptions
 from eth.planner.search import search
 
-from _planner_data import A2R2, M4, M6, make_cluster, profiles_for
+from _planner_data import A2R2, EQ5, M4, M6, make_cluster, profiles_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,13 +51,16 @@ def setup(name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_planner_within_2_percent_of_brute_force(name):
+    """By the paper's Eq. 5, what the search ranks by (SEARCH_OBJECTIVE; with the
+    gradient-blocks objective these 1-4-micro-batch cases play 1F1B's fill and drain op by
+    op, which Eq. 5's lines do not see: docs/PLANNER.md, Known limits)."""
     model, cluster, db, gbs = setup(name)
-    plan = search(model, cluster, db, SearchOptions(gbs=gbs))
+    plan = search(model, cluster, db, SearchOptions(gbs=gbs, **EQ5))
     plan.validate()
-    got = CostModel(model, cluster, db).evaluate(plan)
+    got = CostModel(model, cluster, db, objective="eq5").evaluate(plan)
     assert got["feasible"]
     assert sum(p.lbs for p in plan.pipelines) == gbs
-    best, best_plan = brute_force(model, cluster, db, gbs)
+    best, best_plan = brute_force(model, cluster, db, gbs, objective="eq5")
     assert best_plan is not None
     assert got["iteration_ms"] <= best * 1.02, (got["iteration_ms"], best)
 
@@ -202,6 +207,7 @@ def test_summary_lists_every_stage():
 
 
 def test_random_small_clusters_within_2_percent_of_brute_force():
+    """As test_planner_within_2_percent_of_brute_force, by Eq. 5."""
     import random
     rng = random.Random(2)
     m2 = ModelSpec("m2", num_layers=2, hidden=1024, heads=8, seq_len=1024, vocab=1024)
@@ -215,10 +221,10 @@ def test_random_small_clusters_within_2_percent_of_brute_force():
         model, gbs = rng.choice([M4, m2, m3]), rng.choice([8, 12, 16, 24])
         cluster = make_cluster(nodes, inter_node_gbps=rng.choice([25, 100, 400]))
         db = profiles_for(model, cluster)
-        plan = search(model, cluster, db, SearchOptions(gbs=gbs))
-        got = CostModel(model, cluster, db).evaluate(plan)["iteration_ms"]
+        plan = search(model, cluster, db, SearchOptions(gbs=gbs, **EQ5))
+        got = CostModel(model, cluster, db, objective="eq5").evaluate(plan)["iteration_ms"]
         try:
-            best, _ = brute_force(model, cluster, db, gbs, limit=60_000)
+            best, _ = brute_force(model, cluster, db, gbs, limit=60_000, objective="eq5")
         except ValueError:
             continue
         assert got <= best * 1.02, (nodes, model.name, gbs, got, best)
@@ -270,16 +276,22 @@ def test_seeds_make_hpp_no_slower_than_the_structured_planners(nodes, gbs):
     db = profiles_for(M4, cluster)
     plan = search(M4, cluster, db, SearchOptions(gbs=gbs))
     plan.validate()
-    seeds = {s: plan_baseline(s, M4, cluster, db, gbs).predicted["iteration_ms"] for s in SEED_STRATEGIES}
-    assert plan.search["seeds_ms"] == pytest.approx(seeds)
-    assert plan.predicted["iteration_ms"] <= min(seeds.values()) * (1 + 1e-9)
-    won = plan.search.get("seed_won")
-    if won:
-        assert plan.predicted["iteration_ms"] == pytest.approx(seeds[won])
+    cost = CostModel(M4, cluster, db)
+    seeds = {s: plan_baseline(s, M4, cluster, db, gbs) for s in SEED_STRATEGIES}
+    assert plan.search["seeds_ms"] == pytest.approx({s: p.predicted["iteration_ms"] for s, p in seeds.items()})
     unseeded = search(M4, cluster, db, SearchOptions(gbs=gbs, seeds=False))
     assert "seeds_ms" not in unseeded.search and "seed_won" not in unseeded.search
-    assert plan.predicted["iteration_ms"] <= unseeded.predicted["iteration_ms"] * (1 + 1e-9)
-    assert (won is None) == (plan.predicted["iteration_ms"] == pytest.approx(unseeded.predicted["iteration_ms"]))
+    # the finalists within FINALIST_MARGIN of the best objective: the fastest simulated wins
+    finalists = {"search": unseeded, **seeds}
+    bar = min(p.predicted["iteration_ms"] for p in finalists.values()) * (1 + FINALIST_MARGIN)
+    sims = {k: simulate(p, cost).iteration_ms for k, p in finalists.items() if p.predicted["iteration_ms"] <= bar}
+    assert plan.predicted["simulated_ms"] == pytest.approx(min(sims.values()), abs=1e-4)
+    assert plan.predicted["iteration_ms"] <= bar * (1 + 1e-9)
+    won = plan.search.get("seed_won")
+    assert (won is None) == (plan.content_hash() == unseeded.content_hash())
+    if won:
+        assert plan.content_hash() == seeds[won].content_hash() and sims[won] < sims.get("search", float("inf")) - 1e-4
+        assert plan.search["seeds_simulated_ms"][won] == pytest.approx(sims[won], abs=1e-4)
 
 
 def test_seeds_beside_the_search_get_what_is_left_of_the_time_limit(tmp_path, monkeypatch):
@@ -319,8 +331,8 @@ def test_small_batch_reaches_the_seeds_plans_without_them():
     cluster = load_cluster(Path(__file__).resolve().parents[2] / "examples/clusters/b2b4-64.yaml")
     model = get_model("gpt3-13b")
     db = profiles_for(model, cluster)
-    plan = search(model, cluster, db, SearchOptions(gbs=4))
-    unseeded = search(model, cluster, db, SearchOptions(gbs=4, seeds=False))
+    plan = search(model, cluster, db, SearchOptions(gbs=4, **EQ5))
+    unseeded = search(model, cluster, db, SearchOptions(gbs=4, seeds=False, **EQ5))
     assert plan.search["seeds_ms"] and "seed_won" not in plan.search
     assert unseeded.predicted["iteration_ms"] <= min(plan.search["seeds_ms"].values()) * (1 + 1e-6)
     assert plan.predicted["iteration_ms"] == pytest.approx(unseeded.predicted["iteration_ms"])
@@ -414,7 +426,7 @@ def test_a_pipeline_count_the_patience_stop_cut_short_gets_its_symmetric_group()
     one the search finds without patience); without patience k = 2 was visited."""
     three = make_cluster([{"type": t, "devices_per_node": 4} for t in ("A100", "V100", "RTX3090")])
     db = profiles_for(M6, three)
-    cut, full = (search(M6, three, db, SearchOptions(gbs=32, seeds=False, patience=p)) for p in (1, 0))
+    cut, full = (search(M6, three, db, SearchOptions(gbs=32, seeds=False, patience=p, **EQ5)) for p in (1, 0))
     assert cut.search["patience_stop"] and cut.search["candidates"]["counted_pipelines"] == 2
     assert cut.search["symmetric"]["pipelines"] == [2, 4]
     assert full.search["patience_stop"] == 0 and full.search["symmetric"]["pipelines"] == [4]

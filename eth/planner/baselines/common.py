@@ -8,7 +8,7 @@ search (Eq. 5 + Eq. 6 and the per-device memory check) and emits the same
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from eth.cost.model import CostModel
 from eth.errors import InfeasibleError, SpecError
@@ -82,8 +82,13 @@ class BaselineOptions:
     """Show a tqdm progress bar on stderr."""
     setup: TrainSetup = TrainSetup()
     """Precision, ZeRO stage and gradient dtype to plan for (see SearchOptions.setup)."""
+    objective: str = "blocks"
+    """What the plan is annotated by (see SearchOptions.objective); the baselines choose by
+    ``eth.planner.options.SEARCH_OBJECTIVE``."""
 
     def __post_init__(self):
+        if self.objective not in ("blocks", "eq5"):
+            raise SpecError(f"objective must be one of blocks, eq5, got {self.objective!r}")
         if self.recompute not in ("stage", "op"):
             raise SpecError(f"recompute must be 'stage' or 'op', got {self.recompute!r}")
         if self.time_limit < 0:
@@ -202,7 +207,8 @@ def finish(strategy: str, best: Best, cost: CostModel, clock: Clock, options: Ba
         raise InfeasibleError(f"{strategy}: no feasible plan for model {cost.model.name} on "
                               f"{cost.cluster.world_size} devices{limited}: {why}")
     plan = best.plan
-    cost.annotate(plan)
+    # chosen by SEARCH_OBJECTIVE, annotated by the objective asked for
+    replace(cost, objective=options.objective).annotate(plan)
     plan.search = {"strategy": strategy, "time_s": round(clock.elapsed(), 3),
                    "options": asdict(options), "candidates": {"evaluated": best.evaluated},
                    "time_limited": clock.hit, **extra}

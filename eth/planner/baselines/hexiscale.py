@@ -45,6 +45,7 @@ from eth.planner.baselines.common import Best, BaselineOptions, divisors, finish
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks, stage_groups
 from eth.planner.evaluate import Evaluator
+from eth.planner.options import SEARCH_OBJECTIVE
 
 
 def fixed_micro(fixed: int, lbs: int) -> int:
@@ -119,7 +120,7 @@ def hexiscale_plan(model, cluster, blocks: Blocks, stages, k: int, gbs: int, mbs
 
 def plan_hexiscale(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles, options.setup)
+    cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
     ev = Evaluator(cost)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
     need = model.num_params() * cost.bytes_per_param

@@ -49,6 +49,7 @@ from eth.planner.baselines.hexiscale import no_plan_reason, pipeline_counts, tp_
 from eth.planner.enumerate import Blocks, assign_ranks, make_blocks
 from eth.planner.evaluate import Evaluation, Evaluator, PipeState, StageState, pipe_state
 from eth.planner.pipeline import promising_orders
+from eth.planner.options import SEARCH_OBJECTIVE
 
 
 def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int, ar_memo: dict) -> tuple[tuple, Evaluation]:
@@ -120,7 +121,7 @@ def balance_layers(ev: Evaluator, stages: tuple[StageState, ...], lbs: int, rep,
 
 def plan_hexiscale_strong(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles, options.setup)
+    cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
     ev = make_evaluator(cost, options)
     unit = make_blocks(cluster, cluster.world_size)      # one device per block: types, ranks
     need = model.num_params() * cost.bytes_per_param

@@ -79,6 +79,7 @@ from eth.planner.baselines.common import (Best, BaselineOptions, divisors, finis
                                           proportional_split, type_ranks)
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.evaluate import Evaluator
+from eth.planner.options import SEARCH_OBJECTIVE
 from eth.cost.sync import stage_allreduce_ms
 
 
@@ -100,7 +101,7 @@ class MetisSearch:
 
     def __init__(self, model, cluster, profiles, gbs: int, options: BaselineOptions):
         self.model, self.cluster, self.gbs, self.opt = model, cluster, gbs, options
-        self.cost = CostModel(model, cluster, profiles, options.setup)
+        self.cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
         self.ev = Evaluator(self.cost)
         self._types = {d.rank: d.type for d in cluster.devices}
         self._memo: dict = {}

@@ -37,11 +37,12 @@ from eth.planner.baselines.common import Best, BaselineOptions, finish, floor_or
 from eth.planner.progress import Clock, progress_bar
 from eth.planner.enumerate import make_blocks, stage_groups
 from eth.planner.pipeline import adaptive_budgets, promising_orders, stage_ranks
+from eth.planner.options import SEARCH_OBJECTIVE
 
 
 def plan_metis_strong(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles, options.setup)
+    cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
     ev = make_evaluator(cost, options)
     blocks = make_blocks(cluster, options.max_blocks_per_type)
     vec = blocks.count

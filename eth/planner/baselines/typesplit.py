@@ -33,6 +33,7 @@ from eth.planner.enumerate import assign_ranks, make_blocks, pipeline_can_hold
 from eth.planner.evaluate import Evaluator
 from eth.planner.pipeline import PipelineResult, optimise_pipeline, refine_pipeline
 from eth.planner.polish import pipeline_moves
+from eth.planner.options import SEARCH_OBJECTIVE
 
 REFINE_TOP = 4
 """Type splits (best after phase 2) that get phase 3 and the group polish."""
@@ -189,7 +190,7 @@ def polish_group(cost, ev, model, cluster, blocks, gbs, results, lbs, ms, best, 
 
 def plan_typesplit(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles, options.setup)
+    cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
     ev = Evaluator(cost)
     blocks = make_blocks(cluster, options.max_blocks_per_type)
     nt = len(blocks.types)

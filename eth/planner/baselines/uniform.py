@@ -32,6 +32,7 @@ from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.planner.baselines.common import (recompute_modes, Best, BaselineOptions, divisors, finish,
                                           powers_of_two, type_ranks)
 from eth.planner.progress import Clock, progress_bar
+from eth.planner.options import SEARCH_OBJECTIVE
 
 def even_split(num_layers: int, pp: int) -> list[int]:
     """Megatron's split: L // pp layers each, the first L mod pp stages one more."""
@@ -106,7 +107,7 @@ def _may_fit(cost: CostModel, pipeline: PipelinePlan) -> bool:
 
 def plan_uniform(model, cluster, profiles, gbs: int, options: BaselineOptions) -> Plan:
     clock = Clock(options.time_limit)
-    cost = CostModel(model, cluster, profiles, options.setup)
+    cost = CostModel(model, cluster, profiles, options.setup, objective=SEARCH_OBJECTIVE)
     best = Best()
     counts = cluster.type_counts()
     g = math.gcd(*counts.values())
