@@ -25,8 +25,8 @@ played by the event simulator (eth.report.simulate).  Written to out/bench/ (--o
                         (ZeRO 1/2, bf16 gradients), activation bytes x0.5 / x2, the slow
                         type's speed x0.5 / x1.5 (--only sensitivity)
 
-Columns: pred_ms = Eq. 5 + Eq. 6 (CostModel.evaluate), sim_ms = simulated iteration
-(incl. the optimizer step, which Eq. 5 leaves out), search_s = planner wall time,
+Columns: pred_ms = the cost model's objective (CostModel.evaluate: gradient blocks, Eq. 6,
+the optimizer step), sim_ms = simulated iteration, search_s = planner wall time,
 ideal_ms = training FLOPs of the iteration / sum over devices of peak x
 eth.profiles.db.GEMM_EFFICIENCY, where the FLOPs are the sum over all ops of
 eth.spec.model.op_shapes (forward + backward = 3 x forward, no recompute) x gbs;

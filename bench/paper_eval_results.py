@@ -113,7 +113,7 @@ def markdown_tables(table: str, rows: list[Row]) -> list[str]:
     varying = table.removeprefix("sweep_") if table.startswith("sweep_") else None
     head = ["model", "pair", "devices"] if varying is None else [varying]
     groups = _group(rows)
-    lines = ["", "Iteration time, s: simulated (Eq. 5 prediction); OOM = no plan fits; "
+    lines = ["", "Iteration time, s: simulated (predicted); OOM = no plan fits; "
              "* = search hit its time limit", ""]
     lines += _md_table(head + list(STRATEGIES) + ["seed won"],
                        [_case_label(k, varying) + [_cell_time(g.get(s)) for s in STRATEGIES]
@@ -124,7 +124,7 @@ def markdown_tables(table: str, rows: list[Row]) -> list[str]:
     if notes:
         lines += [""] + [f"* {n}" for n in notes]
     for hpp in HPPS:
-        lines += ["", f"Speedup of {hpp} over each baseline (simulated; Eq. 5 prediction in brackets)", ""]
+        lines += ["", f"Speedup of {hpp} over each baseline (simulated; predicted in brackets)", ""]
         lines += _md_table(head + [f"vs {b}" for b in BASELINES], _speedup_rows(groups, hpp, varying))
     lines += ["", "Search time, s / efficiency (ideal time / simulated time)", ""]
     body = []
@@ -153,13 +153,13 @@ def _speedup_rows(groups, hpp: str, varying) -> list[list[str]]:
 
 
 def sensitivity_lines(rows: list[Row]) -> list[str]:
-    """HPP's gain over each baseline under every variation (Eq. 5 prediction; simulated in
+    """HPP's gain over each baseline under every variation (predicted; simulated in
     brackets), and which seed won."""
     by: dict[str, dict[str, Row]] = {}
     for r in rows:
         by.setdefault(r.variant, {})[r.strategy] = r
     lines = ["", "## Sensitivity: GPT-3 13B, B2/B4, 64 devices, gbs 1024, seq 2048", "",
-             "Speedup of HPP (with seeds) over each baseline, Eq. 5 prediction (simulated in "
+             "Speedup of HPP (with seeds) over each baseline, predicted (simulated in "
              "brackets); HPP's own time in s; OOM = the baseline finds no plan that fits.", ""]
     body = []
     for name, g in by.items():
@@ -186,7 +186,7 @@ def table3_lines(rows: list[Row], table2: list[Row]) -> list[str]:
     lines = ["", "## The paper's Table 3 plans (GPT-3 13B, B2/B4, 64 devices, gbs 1024) in our model", "",
              "Each configuration of the paper's appendix A is rebuilt stage by stage and evaluated "
              "with our cost model and simulator, next to the plan our own search of that strategy "
-             "finds for the same problem (table2.csv).  Times in s, simulated (Eq. 5).", ""]
+             "finds for the same problem (table2.csv).  Times in s, simulated (predicted).", ""]
     body = []
     for r in rows:
         peak = r.note.split("peak memory ")[-1].split(" x")[0]
@@ -228,6 +228,37 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
+def agreement_lines(tables: dict[str, list[Row]]) -> list[str]:
+    """How far the plans' objective (pred_ms) is from their simulated iteration (sim_ms),
+    |pred / sim - 1| over every table's plans: all strategies, and HPP's alone; and per
+    case of the searched tables, whether HPP's plan simulates at least as fast as every
+    strong baseline's."""
+    rows = [r for rs in tables.values() for r in rs if r.status == "ok" and r.sim_ms > 0]
+    lines = ["", "## The objective against the simulator", "",
+             "|pred_ms / sim_ms - 1| over the plans of every table above (pred_ms: the objective "
+             "the plans were scored by; sim_ms: the event simulator):", "",
+             "| plans | count | median | p90 | max |", "|---|---|---|---|---|"]
+    for label, keep in (("all strategies", lambda r: True), ("hpp", lambda r: r.strategy == "hpp"),
+                        ("hpp-noseeds", lambda r: r.strategy == "hpp-noseeds")):
+        gaps = sorted(abs(r.pred_ms / r.sim_ms - 1) for r in rows if keep(r))
+        if gaps:
+            lines.append(f"| {label} | {len(gaps)} | {gaps[len(gaps) // 2]:.2%} | "
+                         f"{gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]:.2%} | {gaps[-1]:.2%} |")
+    slower = []
+    for name, rs in tables.items():
+        if name in ("table3", "sensitivity"):     # the paper's plans; variants of one case
+            continue
+        for key, g in _group([r for r in rs if r.status == "ok"]).items():
+            for hpp in HPPS:
+                for b in ("metis-strong", "hexiscale-strong"):
+                    if hpp in g and b in g and g[hpp].sim_ms > g[b].sim_ms * (1 + 1e-6):
+                        slower.append(f"{' '.join(map(str, key))}: {hpp} {g[hpp].sim_ms:.1f} ms > "
+                                      f"{b} {g[b].sim_ms:.1f} ms")
+    lines += ["", f"Cases where HPP's plan simulates slower than a strong baseline's: {len(slower)}"]
+    lines += [f"- {s}" for s in slower]
+    return lines
+
+
 def write_report(out: Path) -> None:
     names = ("table2", "table3", "sensitivity", "many_types", *(f"sweep_{sweep}" for sweep in SWEEPS))
     tables = {name: read_csv(out / f"{name}.csv") for name in names if (out / f"{name}.csv").exists()}
@@ -236,7 +267,11 @@ def write_report(out: Path) -> None:
           "Produced by bench/paper_eval.py; the runs that wrote the CSVs in this folder "
           "(runs.txt: command, per-search time limit, what it wrote, analytic profiles it generated):", ""]
     md += [f"    {line}" for line in runs]
-    md += ["", "Analytic (roofline) profiles from profiles/ "
+    md += ["", "Predicted: the cost model's objective, gradient blocks (each block of gradients "
+           "reduced once its slowest holder in any pipeline has finished its backward, for as long as "
+           "its slowest holder's transfer; eth.cost.equations.synced_end_times), plus each "
+           "stage's optimizer step; simulated: the event simulator (eth.report.simulate).",
+           "", "Analytic (roofline) profiles from profiles/ "
           "(ProfileDB.ensure for other sequence lengths); times are predictions of this "
           "repository's cost model and simulator, not measurements.",
           "", "Efficiency = ideal time / simulated time; ideal time = sum over all ops of "
@@ -258,6 +293,8 @@ def write_report(out: Path) -> None:
         md += table3_lines(tables["table3"], tables.get("table2", []))
     if "sensitivity" in tables:
         md += sensitivity_lines(tables["sensitivity"])
+    if tables:
+        md += agreement_lines(tables)
     for sweep in SWEEPS:
         name = f"sweep_{sweep}"
         if name in tables:
