@@ -89,8 +89,9 @@ TABLE3_PLANS = MappingProxyType({
 })
 
 
-def table3_plan(strategy: str, model, cluster):
-    """The paper's Table 3 plan of ``strategy`` on ``cluster`` (ranks in cluster order per type)."""
+def table3_plan(strategy: str, model, cluster, setup):
+    """The paper's Table 3 plan of ``strategy`` on ``cluster`` (ranks in cluster order per type),
+    trained as ``setup`` (the plan file records the setup its prediction assumed)."""
     from eth.spec.plan import PipelinePlan, Plan, StagePlan
     free: dict[str, list[int]] = {}
     for d in cluster.devices:
@@ -103,7 +104,7 @@ def table3_plan(strategy: str, model, cluster):
             out.append(StagePlan(ranks, t, tp, n // tp, (start, start + layers), dict(rec)))
             start += layers
         pipes.append(PipelinePlan(mbs, lbs, out))
-    return Plan(model, cluster, 1024, pipes).validate()
+    return Plan(model, cluster, 1024, pipes, training=setup).validate()
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def run_table3(mc, cache: ProfileCache, save_dir: Path | None = None) -> list[Ro
     cost = CostModel(model, cluster, cache.for_problem(model, cluster))
     rows = []
     for strategy in TABLE3_PLANS:
-        plan = table3_plan(strategy, model, cluster)
+        plan = table3_plan(strategy, model, cluster, cost.setup)
         ev = cost.evaluate(plan)
         if save_dir is not None:
             cost.annotate(plan)

@@ -80,7 +80,8 @@ def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_pat
     assert lines[0]["plan"] == lines[4]["plan"] != lines[3]["plan"] and (tmp_path / lines[3]["plan"]).is_file()
     assert len(list((tmp_path / PLANS_DIR).iterdir())) == 3
     shown = format_history(tmp_path).splitlines()       # tools/show_plan.py --history
-    assert len(shown) == 6 and shown[1].split()[2:7] == ["4", "224.0", "searched", "-", "-"]
+    assert len(shown) == 6 and shown[1].split()[2:7] == [
+        "4", f"{plan.predicted['iteration_ms']:.1f}", "searched", "-", "-"]
     assert shown[4].endswith("1xcpu-slow on vm  [vm (cpu-slow) 2 -> 1 ranks]")
     assert shown[5].endswith("[vm (cpu-slow) 1 -> 2 ranks]") and shown[5].split()[4] == "reused"
     from eth.cli.show_plan import main as show_plan
