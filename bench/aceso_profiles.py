@@ -6,8 +6,9 @@ under ``profiler/profiled-time-eurosys/``.  This bench imports them through our 
 13B: 40 layers, hidden 5120, 40 heads, ffn 20480; vocabulary 51200, sequence 2048), plans
 Aceso's two settings (1.3B on 1 node x 4 V100, 13B on 4 nodes x 8 V100; global batch
 1024; fp16 with 16 bytes of model state per parameter, no ZeRO; 28000 MB per GPU, as its
-search script) with and without ``--op-boundaries``, and prints the predicted iteration
-(our cost model) and the search time of each:
+search script; between nodes the bandwidth Aceso measured, its ``p2p_inter_node.csv``) with
+and without ``--op-boundaries``, and prints the predicted iteration (our cost model) and the
+search time of each:
 
     python bench/aceso_profiles.py --aceso-dir <SuperScaler checkout>/profiler/profiled-time-eurosys
         [--aceso-repo <SuperScaler checkout>]
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
-from eth.profiles.aceso import import_aceso  # noqa: E402
+from eth.profiles.aceso import import_aceso, read_p2p_csv  # noqa: E402
 from eth.profiles.db import DeviceProfile, ProfileDB  # noqa: E402
 from eth.planner.options import SearchOptions  # noqa: E402
 from eth.planner.search import search  # noqa: E402
@@ -48,8 +49,15 @@ CASES = (  # (Aceso model, our model, nodes, devices per node)
 )
 
 
-def cluster(nodes: int, per_node: int, memory_gb: float = MEMORY_GB) -> Cluster:
-    return Cluster.from_dict({"name": f"aceso-v100-{nodes}x{per_node}", "inter_node_gbps": 100,
+def inter_node_gbps(aceso_dir) -> float:
+    """Aceso's measured bandwidth between two V100 nodes (Gbit/s): the largest message of
+    the last run in its ``p2p_inter_node.csv`` (5.44 GB/s of 1024 MB in the published one)."""
+    nbytes, ms = read_p2p_csv(Path(aceso_dir) / "p2p_inter_node.csv")[-1]
+    return nbytes * 8 / (ms * 1e6)
+
+
+def cluster(nodes: int, per_node: int, memory_gb: float = MEMORY_GB, inter_gbps: float = 100.0) -> Cluster:
+    return Cluster.from_dict({"name": f"aceso-v100-{nodes}x{per_node}", "inter_node_gbps": inter_gbps,
                               "device_types": {"V100": {"memory_gb": memory_gb}},
                               "nodes": [{"type": "V100", "devices_per_node": per_node, "count": nodes}]})
 
@@ -114,7 +122,8 @@ def main(argv=None) -> int:
         for op_boundaries in (False, True):
             opt = SearchOptions(gbs=1024, setup=SETUP, op_boundaries=op_boundaries, jobs=args.jobs)
             t0 = time.perf_counter()
-            plan = search(model, cluster(nodes, per_node, args.memory_mb * 2 ** 20 / 1e9), db, opt)
+            plan = search(model, cluster(nodes, per_node, args.memory_mb * 2 ** 20 / 1e9,
+                                         inter_node_gbps(args.aceso_dir)), db, opt)
             row.append((plan.predicted["iteration_ms"], time.perf_counter() - t0, plan))
         stages = "+".join(str(len(p.stages)) for p in row[1][2].pipelines)
         print(f"{aceso_model:10} {f'{nodes} x {per_node} V100':18} {row[0][0]:16.2f} {row[0][1]:9.2f} "

@@ -38,34 +38,43 @@ def _scaled(c, k: float):
 
 
 def iteration_from_compute(plan, db, rank_compute_ms) -> dict:
-    """{"iteration_ms", "scales"}: the cost model's iteration time (as
-    ``CostModel.evaluate``: max over pipelines and stages of ``CostModel.stage_end_ms``)
-    with every stage's compute set to what its slowest rank measured
-    (``rank_compute_ms[r]``: rank r's compute ms of one step)."""
+    """{"iteration_ms", "eq5_ms", "simulated_ms", "scales"}: the cost model's iteration
+    time by its objective (``CostModel.evaluate``, gradient blocks), by the paper's Eq. 5
+    (``objective="eq5"``) and by the event simulator (``eth.report.simulate``), each with
+    every stage's compute set to what its slowest rank measured (``rank_compute_ms[r]``:
+    rank r's compute ms of one step)."""
     from eth.cost.model import CostModel
+    from eth.report.simulate import simulate
 
     db.ensure(plan.model, plan.cluster.types.values())
-    cm = CostModel(plan.model, plan.cluster, db, plan.training)
-    ar = cm.stage_allreduce_ms(plan.pipelines)
-    costs = [cm.pipeline_costs(p) for p in plan.pipelines]
-    scales = stage_scales(plan, costs, rank_compute_ms)
-    iteration = 0.0
-    for p, pcosts, ks, ar_p in zip(plan.pipelines, costs, scales, ar):
-        ends = cm.stage_end_ms(p, [_scaled(c, k) for c, k in zip(pcosts, ks)], ar_p, plan.world_size)
-        iteration = max(iteration, max(ends))
-    return {"iteration_ms": iteration, "scales": scales}
+    out = {}
+    for objective in ("blocks", "eq5"):
+        cm = CostModel(plan.model, plan.cluster, db, plan.training, objective=objective)
+        costs = [cm.pipeline_costs(p) for p in plan.pipelines]
+        scales = stage_scales(plan, costs, rank_compute_ms)
+        measured = {id(p): [_scaled(c, k) for c, k in zip(pcosts, ks)]
+                    for p, pcosts, ks in zip(plan.pipelines, costs, scales)}
+        # the same model with each pipeline's stage costs as the run measured them
+        cm.pipeline_costs = lambda p, measured=measured: list(measured[id(p)])
+        out["iteration_ms" if objective == "blocks" else "eq5_ms"] = cm.evaluate(plan)["iteration_ms"]
+        if objective == "blocks":
+            out["simulated_ms"] = simulate(plan, cm).iteration_ms
+    return dict(out, scales=scales)
 
 
 def composition_rows(name, pred, meas, composed) -> list[str]:
     """One row of the composition table: measured iteration, the raw prediction and its
-    error, the prediction from the run's own compute and its error, the stage scales."""
+    error, from the run's own compute the objective's, Eq. 5's and the simulator's
+    iteration and their errors, the stage scales."""
     it = meas["iteration_ms"]
     scales = "; ".join(f"p{i} " + " ".join(f"{k:.2f}" for k in ks) for i, ks in enumerate(composed["scales"]))
+    cells = " | ".join(f"{composed[k]:.1f} ({composed[k] / it - 1:+.1%})"
+                       for k in ("iteration_ms", "simulated_ms", "eq5_ms"))
     return [f"| {name} | {it:.1f} | {pred['iteration_ms']:.1f} ({pred['iteration_ms'] / it - 1:+.1%}) | "
-            f"{composed['iteration_ms']:.1f} ({composed['iteration_ms'] / it - 1:+.1%}) | {scales} |"]
+            f"{cells} | {scales} |"]
 
 
 COMPOSITION_HEADER = [
-    "| config | measured iteration ms | predicted from the profile (err) | predicted from the run's compute (err) "
-    "| measured / predicted compute per stage |",
-    "|---|---|---|---|---|"]
+    "| config | measured iteration ms | predicted from the profile (err) | from the run's compute: objective (err) "
+    "| simulated (err) | Eq. 5 (err) | measured / predicted compute per stage |",
+    "|---|---|---|---|---|---|---|"]
