@@ -19,8 +19,8 @@ bench writes each run in our formats and scores it as a new user would:
 * plan: one pipeline, Sailor's stages (its layer 0 is the embedding, its last the
   final norm and head), tp and dp per stage, mbs x dp samples per micro-batch.
 
-and prints, per run, the measured seconds per iteration against Eq. 5
-(``CostModel.evaluate``) and the event simulator (``eth.report.simulate``), and the
+and prints, per run, the measured seconds per iteration against the cost model's
+prediction (``CostModel.evaluate``, its gradient-blocks objective) and the event simulator (``eth.report.simulate``), and the
 measured peak bytes against the cost model's largest stage memory, with per-row errors
 ((predicted - real) / real x 100), their median and max.  A run our plans cannot
 express (a stage whose dp replicas are of different GPU types) is listed with why::
@@ -257,7 +257,7 @@ def _pct(value) -> str:
 def report(rows: list[Row], which: str, source: str) -> str:
     """A markdown table of ``rows`` and their error summary."""
     lines = [f"### {which}, {source} profiles", "",
-             "| run | real s | Eq. 5 s | err % | simulated s | err % | real GB | predicted GB | err % |",
+             "| run | real s | predicted s | err % | simulated s | err % | real GB | predicted GB | err % |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = r.to_dict()
@@ -269,7 +269,7 @@ def report(rows: list[Row], which: str, source: str) -> str:
                      f"{r.predicted_mem_gb:.2f} | {_pct(d['memory_err_pct'])} |")
     ds = [r.to_dict() for r in rows]
     lines += ["", f"{sum(1 for r in rows if not r.why)} of {len(rows)} runs scored; "
-                  f"time, Eq. 5: {summary(d['time_err_pct'] for d in ds)}; "
+                  f"time, predicted: {summary(d['time_err_pct'] for d in ds)}; "
                   f"time, simulator: {summary(d['simulated_err_pct'] for d in ds)}; "
                   f"peak memory: {summary(d['memory_err_pct'] for d in ds)}"]
     return "\n".join(lines)
