@@ -74,8 +74,16 @@ def _history(tmp_path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.slow
-def test_agents_die_and_rejoin_and_the_run_replans_resumes_and_matches_one_process(tmp_path):
+LAUNCHER_FAILURE = re.compile(r"torch\.distributed\.DistStoreError|RendezvousConnectionError|"
+                              r"c10d.*(Broken pipe|Connection reset by peer)")
+"""A rendezvous store connection torchrun's agents lost (seen at load ~16 on 2 cores): the
+launcher's, not the code's; the test runs once more on it, and only on it."""
+
+
+def _run(tmp_path):
+    """Start four agents, kill one after the first checkpoints, start it again; the
+    agents, their logs and the iteration the killed rank had reached."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     port, start = free_port(), time.monotonic()
     agents = {0: _agent(0, port, tmp_path)}
     time.sleep(1.0)                      # agent 0 hosts the rendezvous store: it must outlive the others
@@ -97,17 +105,28 @@ def test_agents_die_and_rejoin_and_the_run_replans_resumes_and_matches_one_proce
                 for pid in [a.pid, *_children(a.pid)]:
                     os.kill(pid, signal.SIGKILL)
     logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("agent*.log")))
+    return agents, logs, killed_at
+
+
+@pytest.mark.slow
+def test_agents_die_and_rejoin_and_the_run_replans_resumes_and_matches_one_process(tmp_path):
+    agents, logs, killed_at = _run(tmp_path / "try1")
+    if any(a.returncode != 0 for a in agents.values()) and LAUNCHER_FAILURE.search(logs):
+        agents, logs, killed_at = _run(tmp_path / "try2")
+    tmp_path = tmp_path / ("try2" if (tmp_path / "try2").exists() else "try1")
     assert all(a.returncode == 0 for a in agents.values()), logs[-6000:]
     nodes = [[f"node-{i}", TYPES[i], 1] for i in range(4)]
     lines = _history(tmp_path)
-    assert [line["membership"] for line in lines] == [nodes, nodes[:3], nodes], lines
+    # the rendezvous admits nodes in any order: the sets, not the rank orders
+    assert [sorted(line["membership"]) for line in lines] == [nodes, nodes[:3], nodes], lines
     assert [line["reused"] for line in lines] == [False, False, True]
     assert lines[0]["plan"] == lines[2]["plan"] != lines[1]["plan"]
     assert lines[1]["predicted_ms"] != lines[0]["predicted_ms"]     # another plan for three ranks
     shown = format_history(tmp_path / "ckpt").splitlines()
     assert shown[2].endswith("[left: node-3 (cpu-slow)]") and shown[3].endswith("[joined: node-3 (cpu-slow)]")
     said = [line for line in logs.splitlines() if line.startswith("plan at start-up")]
-    assert len(said) == 3 and "(the last start had 1xcpu-fast on node-0" in said[1], said
+    assert len(said) == 3 and "(the last start had " in said[1], said
+    assert all(f"on node-{i}" in said[1].split("(the last start had ", 1)[1] for i in range(4)), said
     assert "the stored plan for this membership" in said[2]
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at iteration (\d+)", logs)]
     assert len(resumed) == 2 and 10 <= resumed[0] < resumed[1] < ITERS, resumed

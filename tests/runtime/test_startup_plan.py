@@ -55,6 +55,34 @@ def test_present_cluster_is_one_node_per_host_and_type_run_in_rank_order():
         present_cluster(fleet, [Member(0, "a", "H100")])
 
 
+def test_the_same_nodes_in_another_rank_order_reuse_the_stored_plan_with_its_ranks_moved(tmp_path):
+    """A rendezvous may admit the same nodes in another order: the stored plan is used
+    again, each stage on the same devices, now at their new ranks."""
+    request = PlanRequest(str(DEMO), "tiny", 16, profiles=PROFILES, precision="fp32")
+    hosts = [("a", "cpu-fast"), ("b", "cpu-fast"), ("c", "cpu-slow"), ("d", "cpu-slow")]
+    first = [Member(r, h, t) for r, (h, t) in enumerate(hosts)]
+    plan, reused, *_ = plan_for(request, first, str(tmp_path))
+    assert not reused
+    order = [2, 0, 3, 1]                                  # host c now rank 0, a rank 1, d rank 2, b rank 3
+    again = [Member(r, *hosts[i]) for r, i in enumerate(order)]
+    moved, reused, previous, _ = plan_for(request, again, str(tmp_path))
+    assert reused and previous == membership(first)
+    assert moved.search["startup"]["membership"] == membership(again)
+    assert moved.predicted["iteration_ms"] == plan.predicted["iteration_ms"]
+    host_now = {m.rank: m.host for m in again}
+    host_then = {m.rank: m.host for m in first}
+    for p, q in zip(plan.pipelines, moved.pipelines):
+        for st, mv in zip(p.stages, q.stages):
+            assert [host_now[r] for r in mv.ranks] == [host_then[r] for r in st.ranks]
+            assert (mv.device_type, mv.tp, mv.dp, mv.layers) == (st.device_type, st.tp, st.dp, st.layers)
+            assert all(moved.cluster.type_of(r).name == mv.device_type for r in mv.ranks)
+    lines = [json.loads(line) for line in (tmp_path / HISTORY_FILE).read_text().splitlines()]
+    assert [line["reused"] for line in lines] == [False, True] and lines[0]["plan"] == lines[1]["plan"]
+    assert json.loads((tmp_path / PLAN_FILE).read_text())["search"]["startup"]["membership"] == membership(again)
+    other = [Member(r, h, t) for r, (h, t) in enumerate(hosts[:3] + [("e", "cpu-slow")])]
+    assert not plan_for(request, other, str(tmp_path))[1]      # another node: searched again
+
+
 def test_a_stored_plan_is_used_again_for_the_same_membership_and_request(tmp_path):
     request = PlanRequest(str(DEMO), "tiny", 16, profiles=PROFILES, precision="fp32")
     four = [Member(r, "vm", "cpu-fast" if r < 2 else "cpu-slow") for r in range(4)]

@@ -13,7 +13,8 @@ the processes the launcher actually started, not written beforehand.
 3. With ``--save DIR``, a plan stored there (:data:`PLANS_DIR`, one file per membership
    and request, :func:`made_for`) made for the same membership and the same request (model, global batch,
    training setup, profiles, fleet file) is used again -- a fleet that shrinks and grows
-   back returns to its earlier plan; otherwise rank 0 searches
+   back returns to its earlier plan, its ranks moved where a rendezvous admitted the same
+   nodes in another order; otherwise rank 0 searches
    (``eth.planner.job.plan_job``, the planner of tools/search_hpp.py) and, with
    ``--save``, writes the plan there atomically, its membership and request in
    ``plan.search["startup"]``.  The plan of the latest start is also :data:`PLAN_FILE`,
@@ -150,13 +151,18 @@ def membership(members) -> list[list]:
 def made_for(request: PlanRequest, members) -> tuple[dict, str]:
     """What a plan is made for ({"membership", "request"}, recorded in
     ``plan.search["startup"]``) and its short name: the file of :data:`PLANS_DIR` holding
-    its plan.  The request's identity reads the fleet file: call it once per start."""
+    its plan.  The name is of the set of nodes, not of their rank order: the same devices
+    admitted in another order by a rendezvous find the same file.  The request's
+    identity reads the fleet file: call it once per start."""
     made = {"membership": membership(members), "request": request.identity()}
-    return made, hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
+    key = {"membership": sorted(made["membership"]), "request": made["request"]}
+    return made, hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def stored_plan(save: str | None, made: dict, key: str):
-    """The plan in ``save`` made for ``made`` (:func:`made_for`), or None."""
+def stored_plan(save: str | None, made: dict, key: str, cluster=None):
+    """The plan in ``save`` made for ``made`` (:func:`made_for`), or None.  A plan made for
+    the same nodes in another rank order has its ranks moved to where those nodes are now
+    (:func:`moved_ranks`) and ``cluster`` (the present one) as its cluster."""
     from eth.spec.plan import load_plan
 
     path = Path(save) / PLANS_DIR / f"{key}.json" if save is not None else None
@@ -166,7 +172,42 @@ def stored_plan(save: str | None, made: dict, key: str):
         plan = load_plan(path)
     except (SpecError, ValueError, OSError):
         return None
-    return plan if plan.search.get("startup") == made else None
+    startup = plan.search.get("startup") or {}
+    if startup == made:
+        return plan
+    if (cluster is None or startup.get("request") != made["request"]
+            or sorted(startup.get("membership") or []) != sorted(made["membership"])):
+        return None
+    return moved_ranks(plan, startup["membership"], made, cluster)
+
+
+def moved_ranks(plan, before: list[list], made: dict, cluster):
+    """``plan``, made for the nodes ``before`` ([host, type, ranks] in rank order), on the
+    same nodes in the order of ``made["membership"]``: each node's k-th rank becomes the
+    k-th rank of the same node now (nodes of one host and type paired in order), the
+    stages otherwise unchanged, ``cluster`` its cluster; the prediction stands (the same
+    devices and links)."""
+    from dataclasses import replace
+
+    from eth.spec.plan import Plan
+
+    def ranges(nodes):
+        out, start = {}, 0
+        for host, device_type, n in nodes:
+            out.setdefault((host, device_type, n), []).append(range(start, start + n))
+            start += n
+        return out
+
+    now = ranges(made["membership"])
+    moved = {}
+    for node, old in ranges(before).items():
+        for was, new in zip(old, now[node]):
+            moved.update(zip(was, new))
+    pipelines = [replace(p, stages=[replace(st, ranks=[moved[r] for r in st.ranks]) for st in p.stages])
+                 for p in plan.pipelines]
+    search = dict(plan.search, startup=made)
+    return Plan(plan.model, cluster, plan.gbs, pipelines, dict(plan.predicted), search, plan.version,
+                plan.training).validate()
 
 
 def plan_for(request: PlanRequest, members, save: str | None):
@@ -176,7 +217,7 @@ def plan_for(request: PlanRequest, members, save: str | None):
 
     cluster = present_cluster(load_cluster(request.cluster), members)
     made, key = made_for(request, members)
-    plan = stored_plan(save, made, key)
+    plan = stored_plan(save, made, key, cluster)
     reused = plan is not None
     if plan is None:
         plan = search_for(request, cluster)
