@@ -302,6 +302,42 @@ def test_cut_stage_cost_of_whole_layers_is_the_stage_cost(precision):
                 assert getattr(cut, f) == pytest.approx(getattr(whole, f), rel=1e-12), (f, recompute, tp)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_every_cut_position_on_a_first_middle_and_last_stage(tp):
+    """Whole layers written as ops cost what the layer path says on a first, a middle and
+    a last stage (the embedding's and head's tp all-reduces are the first and last
+    stage's); and a split after every op of layer 1 divides the model's weights and,
+    without tp, its compute between the two sides."""
+    from eth.spec.model import layer_ops
+
+    m, cluster, db = _cut_model()
+    cm = CostModel(m, cluster, db, TrainSetup("bf16"))
+    names = layer_ops(m)
+    common = dict(device_type="A100", tp=tp, dp=1, mbs=2, recompute={}, num_microbatches=4,
+                  ranks=list(range(tp)))
+    fields = ("fwd_ms", "bwd_ms", "recompute_ms", "comm_ms", "params", "act_bytes", "memory_bytes",
+              "send_fwd_ms", "send_bwd_ms")
+    for layers, index in (((0, 2), 0), ((1, 3), 1), ((2, 4), 2)):
+        args = dict(common, layers=layers, stage_index=index, num_stages=3, next_ranks=[4], prev_ranks=[5])
+        whole, cut = cm.stage_cost(**args), cm.stage_cost(**args, ops=(names[0], names[-1]))
+        assert whole.comm_ms > 0 or tp == 1
+        for f in fields:
+            assert getattr(cut, f) == pytest.approx(getattr(whole, f), rel=1e-12), (f, layers, tp)
+    one = cm.stage_cost(layers=(0, 4), stage_index=0, num_stages=1, **common)
+    for k in range(1, len(names)):
+        a = cm.stage_cost(layers=(0, 2), stage_index=0, num_stages=2, ops=(names[0], names[k - 1]),
+                          next_ranks=[4], **common)
+        b = cm.stage_cost(layers=(1, 4), stage_index=1, num_stages=2, ops=(names[k], names[-1]),
+                          prev_ranks=[5], **common)
+        assert a.params + b.params == pytest.approx(one.params), names[k - 1]
+        assert a.send_fwd_ms > 0 and b.send_bwd_ms > 0, names[k - 1]
+        if tp == 1:
+            assert a.fwd_ms - a.send_fwd_ms + b.fwd_ms == pytest.approx(one.fwd_ms), names[k - 1]
+            assert a.bwd_ms + b.bwd_ms - b.send_bwd_ms == pytest.approx(one.bwd_ms), names[k - 1]
+        else:   # the tp all-reduces and the cut's all-gathers on top of the compute
+            assert a.fwd_ms + b.fwd_ms > one.fwd_ms and a.comm_ms + b.comm_ms > one.comm_ms, names[k - 1]
+
+
 def test_cut_stage_cost_splits_a_layer_and_sends_what_crosses():
     """Layer 1 cut after softmax: the two sides' weights and compute add up to the whole
     layer's, the p2p message is x + qkv + the probabilities, and the receiver keeps the

@@ -376,3 +376,45 @@ def test_uniform_order_descent_on_five_and_six_types_finds_the_best_order(types,
     monkeypatch.setattr(uniform, "EVERY_ORDER_UP_TO", 6)
     every = plan_baseline("uniform", model, cluster, db, gbs, eq5)
     assert descent.predicted["iteration_ms"] == every.predicted["iteration_ms"]
+
+
+@pytest.mark.parametrize("strategy", BASELINES)
+def test_every_baseline_plans_under_each_zero_stage(strategy):
+    """Under ZeRO 1 and 2 (model states sharded over dp: less memory) each baseline finds a
+    plan that fits, records the setup and is scored as the cost model scores it under
+    that setup; the exhaustive one (uniform) is no slower than its ZeRO-0 plan re-scored
+    under the sharded setup, which also fits there."""
+    from eth.spec.precision import TrainSetup
+
+    model, cluster, db, gbs = setup("2A+2R gbs16")
+    plans = {}
+    for zero in (0, 1, 2):
+        opt = BaselineOptions(setup=TrainSetup("bf16", zero), objective="eq5")
+        plan = plans[zero] = plan_baseline(strategy, model, cluster, db, gbs, opt)
+        assert plan.training.zero_stage == zero and plan.predicted["feasible"], (strategy, zero)
+        got = CostModel(model, cluster, db, TrainSetup("bf16", zero), objective="eq5").evaluate(plan)
+        assert got["feasible"] and got["iteration_ms"] == pytest.approx(plan.predicted["iteration_ms"], abs=1e-3)
+    if strategy == "uniform":
+        for zero in (1, 2):
+            cost = CostModel(model, cluster, db, TrainSetup("bf16", zero), objective="eq5")
+            again = cost.evaluate(Plan(model, cluster, gbs, plans[0].pipelines, training=TrainSetup("bf16", zero)))
+            assert again["feasible"] and plans[zero].predicted["iteration_ms"] <= again["iteration_ms"] + 1e-3
+
+
+def test_hexiscale_strong_own_allreduce_is_the_cost_models_for_the_plan_it_picks():
+    """hexiscale-strong balances layers by its own Eq. 6 per stage (k copies, dp 1): on a
+    slow link, where it decides, it is the cost model's block-wise All-Reduce of the
+    plan it returns, stage by stage."""
+    from eth.planner.baselines.hexiscale_strong import own_allreduce_ms
+
+    model = get_model("gpt3-1.3b")
+    cluster = make_cluster([{"type": "A100", "devices_per_node": 8}, {"type": "RTX3090", "devices_per_node": 8}],
+                           inter_node_gbps=5)
+    db = profiles_for(model, cluster)
+    plan = plan_baseline("hexiscale-strong", model, cluster, db, 64, BaselineOptions(objective="eq5"))
+    cost = CostModel(model, cluster, db, plan.training, objective="eq5")
+    k, ar = len(plan.pipelines), cost.stage_allreduce_ms(plan.pipelines)
+    assert k > 1 and min(ar[0]) > 10          # several copies, a transfer that matters
+    for j, st in enumerate(plan.pipelines[0].stages):
+        gbps = cluster.link_gbps([p.stages[j].ranks[0] for p in plan.pipelines])
+        assert own_allreduce_ms(model, cost.grad_bytes, st.tp, st.layers, k, gbps) == pytest.approx(ar[0][j], rel=1e-9)

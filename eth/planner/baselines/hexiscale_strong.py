@@ -52,9 +52,24 @@ from eth.planner.pipeline import promising_orders
 from eth.planner.options import SEARCH_OBJECTIVE
 
 
+def own_allreduce_ms(model, grad_bytes: float, tp: int, layers: tuple[int, int], k: int, gbps: float) -> float:
+    """This planner's own AR^j: Eq. 6 over the k copies of a stage holding ``layers`` (the
+    embedding with layer 0, the head with the last) at ``tp``, its gradients of
+    ``grad_bytes`` per parameter, on a link of ``gbps``: what the cost model's
+    block-wise All-Reduce gives for k identical dp-1 pipelines, at a fraction of its cost."""
+    a, b = layers
+    params = (b - a) * model.params_per_layer()
+    if a == 0:
+        params += model.embedding_params()
+    if b == model.num_layers:
+        params += model.head_params()
+    return eq6_allreduce_ms(params / tp * grad_bytes, k, gbps)
+
+
 def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int, ar_memo: dict) -> tuple[tuple, Evaluation]:
     """((overflow, Eq. 5 end time of the pipeline), evaluation); ``ar_memo`` keeps each
-    stage's Eq. 6 by its position, tp and layers (one stage group's links and k)."""
+    stage's :func:`own_allreduce_ms` by its position, tp and layers (one stage group's
+    links and k)."""
     e = ev.evaluate(state, lbs, rep)
     if not e.feasible:
         return (e.overflow, math.inf), e
@@ -63,13 +78,7 @@ def _score(ev: Evaluator, state: PipeState, lbs: int, rep, links, k: int, ar_mem
         key = (j, st.tp, a == 0, b == ev.model.num_layers, b - a)
         ms = ar_memo.get(key)
         if ms is None:
-            m = ev.model
-            params = (b - a) * m.params_per_layer()
-            if a == 0:
-                params += m.embedding_params()
-            if b == m.num_layers:
-                params += m.head_params()
-            ms = ar_memo[key] = eq6_allreduce_ms(params / st.tp * ev.cost.grad_bytes, k, links[j])
+            ms = ar_memo[key] = own_allreduce_ms(ev.model, ev.cost.grad_bytes, st.tp, (a, b), k, links[j])
         ar.append(ms)
     return (0.0, max(eq5_end_times(e.costs, lbs, state.mbs, ar))), e
 
