@@ -31,6 +31,17 @@ def test_shipped_plan_prediction_is_current(path):
     assert now["iteration_ms"] == pytest.approx(stored, rel=1e-6, abs=1e-3), (
         f"{path} stores {stored} ms, the cost model now says {now['iteration_ms']:.4f} ms: run `make results`")
     assert now["feasible"] == plan.predicted["feasible"], f"{path}: feasibility changed: run `make results`"
+    # every pipeline's and stage's stored figures too (4 decimals; one last-digit flip allowed)
+    again = load_plan(REPO / path)
+    CostModel(again.model, again.cluster, profiles, again.training).annotate(again)
+    for i, (p, q) in enumerate(zip(plan.pipelines, again.pipelines)):
+        assert p.predicted.keys() == q.predicted.keys(), (path, i)
+        for k in p.predicted:
+            assert p.predicted[k] == pytest.approx(q.predicted[k], rel=0, abs=1.5e-4), (path, i, k)
+        for j, (st, sq) in enumerate(zip(p.stages, q.stages)):
+            assert st.predicted.keys() == sq.predicted.keys(), (path, i, j)
+            for k in st.predicted:
+                assert st.predicted[k] == pytest.approx(sq.predicted[k], rel=0, abs=1.5e-4), (path, i, j, k)
 
 
 # what the README's "Using it" commands and `make run` write, relative to the checkout

@@ -357,6 +357,8 @@ def test_strong_baselines_prune_by_floors_to_the_same_plan(name):
                          for p in (True, False))
         assert pruned.predicted["iteration_ms"] == every.predicted["iteration_ms"], strategy
         assert pruned.search["cost_evaluations"] < every.search["cost_evaluations"], strategy
+        default = plan_baseline(strategy, model, cluster, db, gbs)      # pruning is the default
+        assert default.search["cost_evaluations"] == pruned.search["cost_evaluations"], strategy
 
 
 @pytest.mark.parametrize("types, model, gbs", [

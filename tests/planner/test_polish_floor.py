@@ -39,6 +39,30 @@ def _relaxed(lines, gbs):
     return hi
 
 
+def _allocations(floors, times, start_ms, keep) -> int:
+    """How many trials the scan must allocate, by its definition: in trial order those
+    whose floor is below the best time so far; then the skipped ones by ascending floor
+    while fewer than ``keep`` times are known or the next floor is not above the
+    ``keep``-th least time known (the work the floor saves, counted)."""
+    best, known, skipped = start_ms, [], []
+    for k, (floor, ms) in enumerate(zip(floors, times)):
+        if floor >= best * (1 - 1e-9):
+            skipped.append((floor, k))
+            continue
+        known.append(ms)
+        if ms < best * (1 - 1e-9):
+            best = ms
+    count = len(known)
+    known = sorted(x for x in known if x < math.inf)
+    for floor, k in sorted(skipped):
+        if len(known) >= keep and floor > known[keep - 1]:
+            break
+        count += 1
+        if times[k] < math.inf:
+            known = sorted(known + [times[k]])
+    return count
+
+
 @pytest.mark.parametrize("model, memory, gbs", [(M4, (80, 24, 32), 16), (M6, (6, 3, 4), 8), (M6, (80, 24, 32), 64)])
 def test_floor_bounds_every_trial_and_the_scan_picks_as_allocating_all(model, memory, gbs):
     s = _searched(model, memory, gbs)
@@ -47,8 +71,10 @@ def test_floor_bounds_every_trial_and_the_scan_picks_as_allocating_all(model, me
         trials = list(_trials(s, cand))
         got = [s.allocate(t) for t in trials]
         times = [g[1] if g is not None else math.inf for g in got]
+        floors = []
         for t, ms in zip(trials, times):
             floor = allocation_floor(s, t)
+            floors.append(floor)
             assert floor <= ms * (1 + 1e-12), (floor, ms)
             plan = s.build_plan(t, [r.state.mbs for r in t])
             lines = [pipeline_line(s.cost.pipeline_costs(p), p.mbs, None) + (p.mbs,) for p in plan.pipelines]
@@ -70,4 +96,5 @@ def test_floor_bounds_every_trial_and_the_scan_picks_as_allocating_all(model, me
             top = scan.top(keep)
             assert len(top) == min(keep, len(trials))
             assert all(a is trials[k] for a, k in zip(top, order)), keep
+            assert len(scan.scored) == _allocations(floors, times, cand.iteration_ms, keep), keep
     assert allocated > 0 and skipped > 0   # the floor skipped some trials

@@ -128,3 +128,37 @@ def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path):
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert f"no checkpoint yet in {tmp_path / 'new'} (the --save folder): starting from iteration 0" in fresh.stdout
     assert (tmp_path / "new" / "latest").read_text().strip() == "iter_0000002"
+
+
+@pytest.mark.slow
+def test_resume_across_every_precision_pair(tmp_path):
+    """A checkpoint saved under fp32, bf16 or fp16 resumes under each of the other two (the
+    fp32 main weights and moments carry over; the fp16 loss scaler is restored only where
+    both runs have one): each of the six resumes runs on from iteration 2, says what
+    changed, and its losses continue the saved run's."""
+    import math
+
+    plan = plans.make(1, [PipelinePlan(2, 16, [plans.stage([0], 1, 1, (0, 2))])])
+    plan.model = replace(plan.model, num_layers=2)
+    precisions = ("fp32", "bf16", "fp16")
+    saved = {}
+    for p in precisions:
+        plan.training = TrainSetup(p, 0, "fp32")
+        plan.save(tmp_path / f"{p}.json")
+        (r,) = launch(1, ["--hpp-plan", str(tmp_path / f"{p}.json"), "--train-iters", "2", "--lr", "1e-3",
+                          "--save", str(tmp_path / f"ckpt-{p}"), "--save-interval", "2",
+                          "--save-params", str(tmp_path / f"{p}.pt")])
+        assert r.returncode == 0, f"{p}:\n{r.stderr[-3000:]}"
+        saved[p] = torch.load(tmp_path / f"{p}.pt")["losses"]
+    for a in precisions:
+        for b in precisions:
+            if a == b:
+                continue
+            (r,) = launch(1, ["--hpp-plan", str(tmp_path / f"{b}.json"), "--train-iters", "4", "--lr", "1e-3",
+                              "--load", str(tmp_path / f"ckpt-{a}"), "--save-params", str(tmp_path / f"{a}-{b}.pt")])
+            assert r.returncode == 0, f"{a} -> {b}:\n{r.stderr[-3000:]}"
+            out = r.stdout + r.stderr
+            assert f"precision {a}, this run uses {b}" in out, (a, b, out[-2000:])
+            losses = torch.load(tmp_path / f"{a}-{b}.pt")["losses"]
+            assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (a, b, losses)
+            assert losses[0] < saved[a][0], (a, b, losses, saved[a])     # on from the saved weights
