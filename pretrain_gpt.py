@@ -141,8 +141,8 @@ def plan_request(args):
         raise SpecError("--hpp-cluster plans at start-up: give --model and --global-batch-size")
     if args.global_batch_size <= 0:
         raise SpecError(f"--global-batch-size must be positive, got {args.global_batch_size}")
-    if args.hpp_time_limit < 0:
-        raise SpecError(f"--hpp-time-limit must be >= 0 (0: none), got {args.hpp_time_limit}")
+    if not 0 <= args.hpp_time_limit < float("inf"):   # NaN fails both
+        raise SpecError(f"--hpp-time-limit must be a number of seconds >= 0 (0: none), got {args.hpp_time_limit}")
     if args.hpp_profiles is not None and not os.path.exists(args.hpp_profiles):
         raise SpecError(f"--hpp-profiles {args.hpp_profiles} does not exist")
     load_cluster(args.hpp_cluster)

@@ -103,7 +103,9 @@ def variance_cost(group_devices: list[dict[str, int]], tflops: dict[str, float],
 
 @functools.lru_cache(maxsize=None)
 def _divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of ``n`` in ascending order (trial division up to its square root)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(low + [n // d for d in reversed(low) if d * d != n])
 
 
 def stage_group_floor(ev, stages, ranks, batch: int) -> float:

@@ -39,6 +39,12 @@ from eth.fileio import read_yaml
 CLUSTER_VERSION = 1
 
 
+MAX_DEVICES = 1 << 17
+"""The most devices a cluster file may hold (131072: 32x the largest cluster the planner
+is measured on, docs/PLANNER.md): one Device object per rank, and the planner's work
+grows with them."""
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """Facts about one accelerator type, as the planner sees it."""
@@ -147,6 +153,10 @@ class Cluster:
             if not is_number(group.nic_gbps) or group.nic_gbps < 0:
                 raise SpecError(f"cluster.nodes[{i}].nic_gbps must be a positive number (Gbit/s), "
                                 f"got {group.nic_gbps!r}")
+            if len(devices) + group.count * group.devices_per_node > MAX_DEVICES:
+                raise SpecError(f"cluster.nodes[{i}] ({group.count} x {group.devices_per_node} {group.type}) takes "
+                                f"the cluster to {len(devices) + group.count * group.devices_per_node} devices; "
+                                f"at most {MAX_DEVICES} are supported")
             for _ in range(group.count):
                 for local in range(group.devices_per_node):
                     devices.append(Device(len(devices), node, local, group.type))

@@ -76,6 +76,12 @@ def test_overrides_and_new_types():
       "nodes": [{"type": "x", "devices_per_node": 1}]}, "not in the catalog and lacks"),
     ({"inter_node_gbps": 10, "gpus": 3, "nodes": []}, r"unknown field\(s\) \['gpus'\]"),
     ({"version": 7, "inter_node_gbps": 10, "nodes": []}, "version is 7"),
+    # refused before one Device per rank is built (it hung on a billion)
+    ({"inter_node_gbps": 10, "nodes": [{"type": "A100", "devices_per_node": 8, "count": 1000000000}]},
+     r"nodes\[0\] \(1000000000 x 8 A100\) takes the cluster to 8000000000 devices; at most 131072"),
+    ({"inter_node_gbps": 10, "nodes": [{"type": "A100", "devices_per_node": 8, "count": 16384},
+                                       {"type": "H100", "devices_per_node": 1}]},
+     r"nodes\[1\] \(1 x 1 H100\) takes the cluster to 131073 devices"),
 ])
 def test_cluster_errors_name_the_field(data, message):
     with pytest.raises(SpecError, match=message):

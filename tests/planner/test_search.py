@@ -3,6 +3,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,16 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--jobs", "0",
                      "--no-progress"]) == 2
     assert capsys.readouterr().err == "error: jobs must be >= 1, got 0\n"
+    # NaN and inputs the planner cannot serve fast: refused at once, the limit named
+    for extra, said in ((["--gbs", "1000000000000"], "gbs 1000000000000 is above 65536, the largest global batch"),
+                        (["--gbs", "8", "--time-limit", "nan"], "time_limit must be a number of seconds >= 0"),
+                        (["--gbs", "8", "--alpha", "nan"], "alpha must be a number >= 1, got nan"),
+                        (["--gbs", "8", "--strategy", "uniform", "--time-limit", "nan"],
+                         "time_limit must be a number of seconds >= 0")):
+        t0 = time.perf_counter()
+        assert cli.main(["--model", "small", "--cluster", str(cluster), "--no-progress", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1 and time.perf_counter() - t0 < 30, err
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--no-progress"]) == 0
     assert "predicted iteration" in capsys.readouterr().out
     assert cli.main(["--model", "small", "--cluster", str(cluster), "--gbs", "8", "--jobs", "2",

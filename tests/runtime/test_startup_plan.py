@@ -132,7 +132,9 @@ def test_flags_of_the_two_ways_to_get_a_plan(capsys):
             (base + ["--hpp-plan", "p.json", "--model", "tiny"], "--model tiny is read with --hpp-cluster only"),
             (base + ["--hpp-cluster", str(DEMO), "--model", "nope", "--global-batch-size", "16"], "nope"),
             (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
-                     "--hpp-profiles", "/nonexistent"], "--hpp-profiles /nonexistent does not exist")]:
+                     "--hpp-profiles", "/nonexistent"], "--hpp-profiles /nonexistent does not exist"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
+                     "--hpp-time-limit", "nan"], "--hpp-time-limit must be a number of seconds >= 0 (0: none), got nan")]:
         assert pretrain_gpt.config(argv) is None
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], (argv, err)

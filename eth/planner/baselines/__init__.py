@@ -26,6 +26,7 @@ from __future__ import annotations
 from eth.errors import SpecError
 from eth.spec.plan import Plan
 from eth.planner.baselines.common import BASELINES, BaselineOptions
+from eth.planner.options import check_gbs
 
 
 def plan_baseline(strategy: str, model, cluster, profiles, gbs: int, options=None) -> Plan:
@@ -42,8 +43,7 @@ def plan_baseline(strategy: str, model, cluster, profiles, gbs: int, options=Non
                 "typesplit": plan_typesplit}
     if strategy not in planners:
         raise SpecError(f"unknown baseline strategy {strategy!r}; known: {', '.join(BASELINES)}")
-    if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0:
-        raise SpecError(f"gbs must be a positive integer, got {gbs!r}")
+    check_gbs(gbs)
     options = BaselineOptions.from_any(options)
     plan = planners[strategy](model, cluster, profiles, gbs, options)
     plan.training = options.setup
