@@ -22,6 +22,11 @@ def read_text(path, what: str, error=SpecError) -> str:
         raise error(f"{what} file {path} does not exist") from None
     except IsADirectoryError:
         raise error(f"{what} file {path} is a directory") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} file {path} is not text (byte {exc.start} is {exc.object[exc.start]:#04x}: "
+                    f"an image or a binary file?)") from None
+    except PermissionError:
+        raise error(f"{what} file {path} cannot be read (permission denied)") from None
 
 
 def read_json(path, what: str, error=SpecError):

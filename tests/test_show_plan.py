@@ -118,6 +118,20 @@ def test_show_plan_script_on_a_broken_file(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == "" and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: ") and "not valid JSON" in proc.stderr
+    image = tmp_path / "plan.png"                    # a picture given as the plan
+    image.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    proc = subprocess.run([sys.executable, str(TOOL), str(image)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == f"error: plan file {image} is not text (byte 0 is 0x89: " \
+                                                   "an image or a binary file?)\n"
+
+
+def test_show_plan_into_a_reader_that_stops_reading(tmp_path):
+    """``show_plan PLAN | head -1``: the first line, no BrokenPipeError, exit 0."""
+    plan = tmp_path / "p.json"
+    make_plan().save(plan)
+    proc = subprocess.run(f"{sys.executable} {TOOL} {plan} | head -c 10; exit ${{PIPESTATUS[0]}}", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "Plan: mode" and proc.stderr == "", proc.stderr[-2000:]
 
 
 def _scaled_profile(device, model, factor):

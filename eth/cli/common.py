@@ -1,6 +1,7 @@
 """Shared CLI plumbing: one-line errors with exit code 2 for bad input."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -10,12 +11,19 @@ from eth.fileio import CHECKOUT, probe_folder  # noqa: F401  (CHECKOUT: the tool
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv=None) -> int:
-    """Run ``main(argv)``; a SpecError becomes ``error: <message>`` on stderr and exit 2."""
+    """Run ``main(argv)``; a SpecError becomes ``error: <message>`` on stderr and exit 2.
+    A reader that stops reading (``| head``) ends the output quietly: what was printed
+    stands, exit 0."""
     try:
         return main(argv) or 0
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that fails no more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def int_list(text: str) -> list[int]:
