@@ -31,7 +31,7 @@ from pathlib import Path
 
 from eth.profiles.aceso import DEFAULT_PATTERN, import_aceso
 from eth.profiles.sailor import import_sailor
-from eth.cli.common import int_list, run_main
+from eth.cli.common import check_output_dir, check_output_file, int_list, run_main
 from eth.spec.cluster import catalog
 from eth.errors import SpecError
 from eth.spec.model import PRESETS
@@ -120,8 +120,8 @@ def _main(argv=None) -> int:
     ap.add_argument("--aceso-model", metavar="NAME",
                     help="Aceso's {model}_{size} of the CSVs to import (e.g. gpt_1_3B) when the "
                          "folder holds several models' CSVs")
-    ap.add_argument("--size-unit-bytes", type=float, default=2 ** 20,
-                    help="unit of the CSV size columns (Aceso writes MB)")
+    ap.add_argument("--size-unit-bytes", type=float, default=None,
+                    help="unit of the CSV size columns (default 1048576: Aceso writes MB)")
     ap.add_argument("--aceso-pattern", metavar="PATTERN", default=None,
                     help="names of the op CSVs, with {model}, {mbs}, {tp} and optionally {algo} "
                          "(default: {model}_mbs{mbs}_tp{tp}_algo{algo}.csv, Aceso's and Sailor's)")
@@ -137,9 +137,20 @@ def _main(argv=None) -> int:
     out = Path(args.output)
 
     for flag, value in (("--aceso-model", args.aceso_model), ("--aceso-pattern", args.aceso_pattern),
-                        ("--aceso-absent", args.aceso_absent)):
-        if value and not args.import_aceso:
+                        ("--aceso-absent", args.aceso_absent), ("--size-unit-bytes", args.size_unit_bytes)):
+        if value is not None and value != "" and not args.import_aceso:
             raise SpecError(f"{flag} only applies with --import-aceso DIR")
+    if args.size_unit_bytes is None:
+        args.size_unit_bytes = float(2 ** 20)
+    elif not 0 < args.size_unit_bytes < float("inf"):
+        raise SpecError(f"--size-unit-bytes must be a positive number of bytes, got {args.size_unit_bytes}")
+    if args.import_aceso or args.import_sailor:
+        check_output_file(out)
+    elif out.exists() and not out.is_dir():
+        raise SpecError(f"-o {out} is a file; the generator writes one <device>.json per device "
+                        f"into a folder")
+    else:
+        check_output_dir(out, "-o")
     if args.import_sailor:
         return _import_sailor(args, out)
     if args.import_aceso:

@@ -123,3 +123,23 @@ def test_make_profiles_merges_and_refuses_empty(tmp_path, capsys):
     (out / "A100.json").rename(out / "V100.json")
     assert main(["--devices", "V100", "--models", "tiny", "-o", str(out)]) == 2
     assert "holds device 'A100', not 'V100'" in capsys.readouterr().err
+
+
+def test_make_profiles_refuses_an_unwritable_output_and_a_flag_it_would_ignore(tmp_path, capsys):
+    """One line and exit 2 before any work (and nothing written to the default folder)."""
+    from eth.cli.make_profiles import main
+
+    (tmp_path / "file").write_text("x")
+    for argv, said in (
+            (["-o", str(tmp_path / "file" / "sub")], f"-o {tmp_path / 'file' / 'sub'} cannot be written: "
+                                                     f"{tmp_path / 'file'} is a file, not a folder"),
+            (["-o", "/proc/nope"], "-o /proc/nope cannot be written"),
+            (["--size-unit-bytes", "0", "-o", str(tmp_path / "p")], "--size-unit-bytes only applies with --import-aceso"),
+            (["--import-aceso", str(tmp_path), "--device", "V100", "--model", "tiny", "--size-unit-bytes", "nan",
+              "-o", str(tmp_path / "v.json")], "--size-unit-bytes must be a positive number of bytes, got nan"),
+            (["--import-aceso", str(tmp_path), "--device", "V100", "--model", "tiny",
+              "-o", str(tmp_path / "file" / "v.json")], "cannot be written")):
+        assert main(["--devices", "A100", "--models", "tiny", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and said in err, (argv, err)
+    assert not (tmp_path / "p").exists()
