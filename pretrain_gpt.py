@@ -170,7 +170,7 @@ def config(argv=None):
     from eth.errors import SpecError
     from megatron.hpp.data.datasets import DEFAULT_SPLIT
     from megatron.hpp.training.failures import report_error
-    from megatron.hpp.training.loop import TrainConfig
+    from megatron.hpp.training.loop import TrainConfig, check_outputs
 
     args = parse_args(argv)
     try:
@@ -198,6 +198,7 @@ def config(argv=None):
                           precision=args.precision, zero_stage=args.zero_stage,
                           grad_reduce=args.grad_reduce, initial_loss_scale=args.initial_loss_scale,
                           eval_interval=args.eval_interval, eval_iters=args.eval_iters)
+        check_outputs(cfg)   # before a plan at start-up writes into --save
     except SpecError as exc:
         report_error(str(exc))   # every rank finds it; rank 0 prints it
         return None

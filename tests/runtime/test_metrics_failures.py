@@ -203,6 +203,8 @@ def one_rank_plan(tmp_path):
     (["--data-cache-path", "{dir}"], "--data-cache-path {dir} without --data-path"),
     (["--verify-checkpoint"], "--verify-checkpoint checks the checkpoint --load reads: give --load DIR"),
     (["--save", "{dir}/notes.txt/ck"], "--save {dir}/notes.txt/ck cannot be written: {dir}/notes.txt is a file"),
+    (["--data-path", "{corpus}", "--data-cache-path", "{dir}/notes.txt/c"],
+     "--data-cache-path {dir}/notes.txt/c cannot be written: {dir}/notes.txt is a file"),
     (["--save-params", "{dir}"], "--save-params {dir} is a directory"),
     (["--nonsense"], "unrecognized arguments: --nonsense (python "),
     (["--load", "{dir}/nope"], "--load {dir}/nope does not exist (to start fresh and resume later, give the same"),

@@ -27,6 +27,13 @@ def test_device_type_from_env_list_cuda_name_or_the_only_type():
     assert device_type(fleet, {"HPP_DEVICE_TYPE": "cpu-fast, cpu-slow", "LOCAL_RANK": "1"}) == "cpu-slow"
     with pytest.raises(SpecError, match="names 2 device types, LOCAL_RANK is 2"):
         device_type(fleet, {"HPP_DEVICE_TYPE": "cpu-fast,cpu-slow", "LOCAL_RANK": "2"})
+    for local in range(4):   # too few or too many entries: every local rank says so
+        for given in ("cpu-fast,cpu-fast,cpu-slow", "cpu-fast,cpu-fast,cpu-slow,cpu-slow,cpu-slow"):
+            with pytest.raises(SpecError, match=f"names {given.count(',') + 1} device types for the 4 ranks on "
+                                                "this host"):
+                device_type(fleet, {"HPP_DEVICE_TYPE": given, "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "4"})
+    assert device_type(fleet, {"HPP_DEVICE_TYPE": "cpu-fast,cpu-slow", "LOCAL_RANK": "1",
+                               "LOCAL_WORLD_SIZE": "2"}) == "cpu-slow"
     assert device_type(fleet, {}) is None                      # two types, nothing tells
     mixed = load_cluster(REPO / "examples" / "clusters" / "mixed4-64.yaml")
     assert device_type(mixed, {}, "NVIDIA A100-SXM4-40GB") == "A100-40GB"   # the longest name it contains
@@ -134,7 +141,9 @@ def test_flags_of_the_two_ways_to_get_a_plan(capsys):
             (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
                      "--hpp-profiles", "/nonexistent"], "--hpp-profiles /nonexistent does not exist"),
             (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
-                     "--hpp-time-limit", "nan"], "--hpp-time-limit must be a number of seconds >= 0 (0: none), got nan")]:
+                     "--hpp-time-limit", "nan"], "--hpp-time-limit must be a number of seconds >= 0 (0: none), got nan"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
+                     "--save", "/proc/nope/ck"], "--save /proc/nope/ck cannot be written")]:
         assert pretrain_gpt.config(argv) is None
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], (argv, err)

@@ -223,14 +223,21 @@ def prepare(cfg: TrainConfig, plan=None):
         common = check_load(cfg.load, plan.model, cfg.save)   # another model: SpecError
         if common is not None and not cfg.verify_checkpoint:   # (verified: train() checks)
             check_iterations_left(cfg, common["iteration"])
+    check_outputs(cfg)
+    return plan, layout, rank
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Every folder and file the run will write can be written (SpecError naming the flag),
+    before any work, not at the first save (pretrain_gpt checks it before planning too)."""
     from eth.cli.common import check_output_dir, check_output_file
 
-    for flag, folder in (("--save", cfg.save), ("--tensorboard-dir", cfg.tensorboard_dir)):
+    for flag, folder in (("--save", cfg.save), ("--tensorboard-dir", cfg.tensorboard_dir),
+                         ("--data-cache-path", cfg.data_cache_path)):
         if folder is not None:
-            check_output_dir(folder, flag)   # before any work, not at the first save
+            check_output_dir(folder, flag)
     if cfg.save_params is not None:
         check_output_file(cfg.save_params, "--save-params")
-    return plan, layout, rank
 
 
 def check_iterations_left(cfg: TrainConfig, iteration: int) -> None:

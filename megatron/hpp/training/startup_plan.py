@@ -91,6 +91,10 @@ def device_type(fleet, env=os.environ, name: str | None = None) -> str | None:
     if given and "," in given:        # one entry per local rank (one host emulating several types)
         entries = [t.strip() for t in given.split(",")]
         local = int(env.get("LOCAL_RANK", "0") or 0)
+        ranks = int(env.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if ranks and len(entries) != ranks:   # every rank of the host says it, not only the one left out
+            raise SpecError(f"HPP_DEVICE_TYPE={given} names {len(entries)} device types for the "
+                            f"{ranks} ranks on this host (LOCAL_WORLD_SIZE): give one per local rank")
         if local >= len(entries):
             raise SpecError(f"HPP_DEVICE_TYPE={given} names {len(entries)} device types, LOCAL_RANK is {local}")
         return entries[local]
