@@ -55,6 +55,10 @@ def test_dry_run_cli_on_fake_backend(tmp_path, capsys):
            "groups, at most 2 per rank" in out
     assert topology.main(["--plan", str(tmp_path / "big.json"), "--world-size", "512"]) == 2
     assert "plan needs 1024 ranks, WORLD_SIZE is 512" in capsys.readouterr().err
+    for extra, said in ((["--world-size", "0"], "--world-size must be >= 1 (default: the plan's), got 0"),
+                        (["--ddp-bucket-size", "-1"], "--ddp-bucket-size must be >= 0 (0: unbucketed), got -1")):
+        assert topology.main(["--plan", str(tmp_path / "big.json"), *extra]) == 2
+        assert capsys.readouterr().err == f"error: {said}\n"
 
 
 def test_sample_ranges_cover_global_batch_once():

@@ -328,8 +328,12 @@ def main(argv=None) -> int:
     from eth.layout.blocks import GradLayout
 
     try:
+        if args.world_size is not None and args.world_size < 1:
+            raise SpecError(f"--world-size must be >= 1 (default: the plan's), got {args.world_size}")
+        if args.ddp_bucket_size < 0:
+            raise SpecError(f"--ddp-bucket-size must be >= 0 (0: unbucketed), got {args.ddp_bucket_size}")
         plan = load_plan(args.plan)
-        layout = check_plan(plan, args.world_size or plan.world_size)
+        layout = check_plan(plan, plan.world_size if args.world_size is None else args.world_size)
         grads = GradLayout(plan, args.grad_sync, args.ddp_bucket_size)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
