@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence_report import (RUNS, compare, format_same, format_summary, plot,  # noqa: E402
                                 steady_ms, write_csv, write_md)  # noqa: F401 (steady_ms: re-exported)
-from run_context import add_output_args, loadavg, output_path  # noqa: E402
+from run_context import add_output_args, loadavg, output_path, portable_args  # noqa: E402
 
 LOSS_LINE = re.compile(r"^iteration (\d+)/(\d+) \| .*?\| loss (\S+) \|")
 TIME_FIELD = re.compile(r"\| time ([0-9.]+) ms")
@@ -391,7 +391,7 @@ def _main(argv) -> int:
         write_csv(out / "convergence.csv", results)
         plot(out / "convergence.png", results, model, args)
         write_md(out / "convergence.md", results, cmp, same, model, plans, args,
-                 sys.argv[1:] if argv is None else argv, load_before, load_after)
+                 portable_args(sys.argv[1:] if argv is None else argv), load_before, load_after)
         print(f"wrote {out / 'convergence.csv'}, {out / 'convergence.png'}, {out / 'convergence.md'}")
     finally:
         if tmp is not None:

@@ -82,7 +82,7 @@ from predictor_composition import COMPOSITION_HEADER, composition_rows, iteratio
 from predictor_profiles import (  # noqa: E402
     _env, _without_collectives, _without_overheads, concurrency_line, copy_collectives, host_drift, mean_prediction,
     plan_shapes, profile_collectives, profile_cpu)
-from run_context import commit, loadavg, output_path  # noqa: E402
+from run_context import commit, loadavg, output_path, portable_args  # noqa: E402
 
 GBS = 16
 SPEED_A, SPEED_B = 0.25, 0.1   # emulated "fast" and "slow" CPU device types (2.5 : 1)
@@ -445,7 +445,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    command = "OMP_NUM_THREADS=1 python bench/predictor_accuracy.py " + shlex.join(argv or sys.argv[1:])
+    command = "OMP_NUM_THREADS=1 python bench/predictor_accuracy.py " + shlex.join(portable_args(argv or sys.argv[1:]))
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

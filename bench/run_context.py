@@ -19,6 +19,19 @@ def commit() -> str:
         return "unknown (not a git checkout)"
 
 
+def portable_args(argv) -> list[str]:
+    """``argv`` as a report records it: a path outside the checkout (a scratch folder of
+    this machine) becomes DIR, one inside it relative to it, so that no tracked report
+    holds a path of the machine it was made on."""
+    out = []
+    for arg in argv:
+        path = Path(arg)
+        if path.is_absolute():
+            arg = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else "DIR"
+        out.append(arg)
+    return out
+
+
 def loadavg() -> str:
     """The 1, 5 and 15 minute load averages, or "n/a"."""
     try:

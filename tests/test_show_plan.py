@@ -168,7 +168,7 @@ def test_show_plan_uses_the_profiles_the_plan_names(show_plan, tmp_path, capsys)
     (tmp_path / "prof").rmdir()
     assert run_main(show_plan.main, [str(tmp_path / "plan.json")]) == 2
     err = capsys.readouterr().err
-    assert f"profiles {tmp_path / 'prof'} (plan.search.profiles_path), which do not exist here: pass --profiles" in err
+    assert f"profiles {tmp_path / 'prof'} (plan.search), which do not exist here: pass --profiles" in err
     # other kinds of profiles given: scored with them, and one line says so
     assert run_main(show_plan.main, [str(tmp_path / "plan.json"), "--profiles", str(ROOT / "profiles")]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
@@ -199,12 +199,18 @@ def test_search_records_the_profiles_path(tmp_path, capsys):
     assert search_cli(["--model", "tiny", "--cluster", str(ROOT / "examples/clusters/cpu-demo.yaml"),
                        "--gbs", "16", "--profiles", str(prof), "--no-progress", "-o", str(out)]) == 0
     search = load_plan(out).search
-    assert search["profiles_path"] == str(prof.resolve())
+    assert search["profiles_path"] == str(prof.resolve()) and "profiles_checkout_path" not in search
+    # inside the checkout: the relative path only (no path of this machine in the plan)
+    assert search_cli(["--model", "tiny", "--cluster", str(ROOT / "examples/clusters/cpu-demo.yaml"), "--gbs", "16",
+                       "--profiles", str(ROOT / "profiles/measured/cpu.json"), "--precision", "fp32", "--no-progress",
+                       "-o", str(out)]) == 0
+    search = load_plan(out).search
+    assert search["profiles_checkout_path"] == "profiles/measured/cpu.json" and "profiles_path" not in search
 
 
 def test_a_plan_made_in_another_clone_finds_its_profiles_here(tmp_path, capsys):
-    """search.profiles_path is absolute; inside a checkout the plan also records the path
-    relative to it (profiles_checkout_path), which resolves in this clone."""
+    """Profiles inside the checkout are recorded relative to it (profiles_checkout_path),
+    which resolves in this clone even where an absolute profiles_path does not."""
     from eth.cli import show_plan as cli
 
     plan = load_plan(ROOT / "examples/plans/cpu-demo.json")

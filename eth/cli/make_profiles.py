@@ -1,8 +1,8 @@
 """Write analytic profile databases, or import an Aceso-style CSV folder (``hpp-profiles``).
 
     python tools/make_profiles.py                       # profiles/<device>.json, all devices x presets
-    python tools/make_profiles.py --devices A100,RTX3090 --models gpt3-13b --seq 4096 -o /tmp/p
-    python tools/make_profiles.py --gemm-efficiency fitted -o /tmp/fitted   # also the unapplied GPU fits
+    python tools/make_profiles.py --devices A100,RTX3090 --models gpt3-13b --seq 4096 -o my_profiles
+    python tools/make_profiles.py --gemm-efficiency fitted -o fitted_profiles   # also the unapplied GPU fits
     python tools/make_profiles.py --import-aceso runs/a100/ --device A100 --model gpt3-1.3b \
         --aceso-model gpt_1_3B -o profiles/A100-measured.json
     python tools/make_profiles.py --import-sailor profiles_tmp.json --sailor-model OPT-350 \

@@ -75,7 +75,7 @@ def _main(argv=None) -> int:
     if args.profiles:
         where = args.profiles
     elif recorded_path is not None and not Path(recorded_path).exists():
-        raise SpecError(f"the plan was searched with the profiles {recorded_path} (plan.search.profiles_path), "
+        raise SpecError(f"the plan was searched with the profiles {recorded_path} (plan.search), "
                         f"which do not exist here: pass --profiles PATH")
     elif recorded_path is not None:
         where = recorded_path
@@ -126,14 +126,13 @@ def _main(argv=None) -> int:
 
 def recorded_profiles(plan) -> str | None:
     """The profiles the plan was searched with: ``search.profiles_path`` where it exists,
-    else the same file in this checkout (``search.profiles_checkout_path``, for a plan
-    made in another clone), else the recorded path (None: none recorded)."""
+    else the file ``search.profiles_checkout_path`` names in this checkout (a plan made
+    in a clone records only that), else the recorded path (None: none recorded)."""
     path, in_checkout = plan.search.get("profiles_path"), plan.search.get("profiles_checkout_path")
-    if not isinstance(path, str):
-        return None
-    if not Path(path).exists() and isinstance(in_checkout, str) and (CHECKOUT / in_checkout).exists():
-        return str(CHECKOUT / in_checkout)
-    return path
+    here = CHECKOUT / in_checkout if isinstance(in_checkout, str) else None
+    if isinstance(path, str) and (Path(path).exists() or here is None or not here.exists()):
+        return path
+    return None if here is None else str(here)
 
 
 def _kinds(sources: dict) -> dict:

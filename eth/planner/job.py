@@ -19,10 +19,10 @@ def plan_job(model: ModelSpec, cluster: Cluster, profiles: str | None, options: 
     folder ``profiles`` (None: analytic profiles in memory).  A device type those profiles
     lack for the model is a SpecError unless ``fallback`` is "analytic" (its line names
     the caller's ``flag`` and what to do ``instead`` of profiling).  ``plan.search``
-    records per type where the op costs came from ("profiles"), the profiles' path
-    ("profiles_path", and "profiles_checkout_path" inside this checkout, so that
-    tools/show_plan.py scores the plan with them in another clone) and the types given
-    analytic profiles ("analytic_profiles")."""
+    records per type where the op costs came from ("profiles"), where the profiles are
+    ("profiles_checkout_path" relative to this checkout when they lie in it, so that
+    tools/show_plan.py finds them in any clone; else "profiles_path", absolute) and the
+    types given analytic profiles ("analytic_profiles")."""
     from eth.planner.search import search
     from eth.profiles.db import ProfileDB
 
@@ -37,11 +37,12 @@ def plan_job(model: ModelSpec, cluster: Cluster, profiles: str | None, options: 
     plan = search(model, cluster, db, options)
     plan.search["profiles"] = {t: "analytic (generated for this search)" if t in added
                                else db.get(t).source for t in sorted(cluster.types)}
-    if profiles:
+    if profiles:   # a path of this machine only where the profiles lie outside the checkout
         where = Path(profiles).resolve()
-        plan.search["profiles_path"] = str(where)
         if where.is_relative_to(CHECKOUT):
             plan.search["profiles_checkout_path"] = where.relative_to(CHECKOUT).as_posix()
+        else:
+            plan.search["profiles_path"] = str(where)
     if added:
         plan.search["analytic_profiles"] = added
     return plan

@@ -1,6 +1,7 @@
 """What the repository ships stays what its commands make: every shipped plan's stored
 prediction is what the current cost model computes for it (``make results`` rebuilds
 them), and .gitignore covers everything the README's commands write."""
+import re
 import subprocess
 from pathlib import Path
 
@@ -64,3 +65,25 @@ def test_gitignore_covers_what_the_readme_writes():
     if proc.returncode == 128:
         pytest.skip("not a git checkout")
     assert sorted(proc.stdout.split()) == sorted(README_OUTPUTS)
+
+
+MACHINE_PATH = re.compile(r"(/work/|/root/|/home/[A-Za-z]|/Users/|/tmp/[A-Za-z0-9_])")
+
+
+def test_no_tracked_file_holds_a_path_of_the_machine_it_was_made_on():
+    """Plans, results, profiles and docs carry paths relative to the checkout (tests may
+    name made-up scratch paths)."""
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    found = []
+    for name in files.decode().split("\0"):
+        if not name or name.startswith("tests/") or not (REPO / name).is_file():
+            continue
+        try:
+            text = (REPO / name).read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{name}: {m.group(0)}" for m in MACHINE_PATH.finditer(text)]
+    assert not found, found[:20]
