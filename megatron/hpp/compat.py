@@ -11,6 +11,9 @@ asks megatron-core for ``torch.cuda.current_device()``):
   call, for the few megatron-core functions that read it from the globals
   (``vocab_parallel_cross_entropy``) instead of taking a group argument;
 * :func:`synchronize` is a no-op on CPU;
+* :func:`reduce_scatter` is torch's ``reduce_scatter_single`` where it exists (torch
+  2.13 deprecates ``reduce_scatter_tensor``, with a warning on every rank), else
+  ``reduce_scatter_tensor`` (the same arguments);
 * :func:`quiet_megatron_warnings` imports megatron-core once, quietly and, without CUDA,
   with ``torch.compile`` as the identity: megatron-core decorates its fusion kernels
   (bias-GeLU, bias-SwiGLU, ...) with ``torch.compile`` at import, which imports dynamo
@@ -45,6 +48,14 @@ class Backend:
     @property
     def is_cpu(self) -> bool:
         return self.device.type == "cpu"
+
+
+def reduce_scatter(output, input, group=None, async_op=False):
+    """Sum ``input`` over ``group`` and leave this rank's part in ``output`` (module docstring)."""
+    import torch.distributed as dist
+
+    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return op(output, input, group=group, async_op=async_op)
 
 
 def select_backend(local_rank: int = 0) -> Backend:

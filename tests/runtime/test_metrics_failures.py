@@ -254,7 +254,13 @@ def test_an_elastic_worker_stopped_by_another_ranks_signal_waits_for_its_own(mon
         start = time.monotonic()
         guard.await_own(5.0)                       # not under an elastic agent: at once
         assert time.monotonic() - start < 0.5
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # plain torchrun: never restarts its workers
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+        start = time.monotonic()
+        guard.await_own(5.0)                       # at once too (it waited 60 s on every rank)
+        assert time.monotonic() - start < 0.5
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
         start = time.monotonic()
         guard.await_own(0.3)                       # no signal comes: until the timeout
         assert 0.3 <= time.monotonic() - start < 2.0 and not guard.received

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import _rt_plans as plans
-from _rt_spawn import launch
+from _rt_spawn import REPO, launch
 from eth.errors import PlanError
 from megatron.hpp.parallel import topology
 from megatron.hpp.data.batches import SyntheticData, batch, overlaps, sample_range
@@ -284,3 +284,33 @@ def test_exit_rank_keeps_buffered_output_and_the_code():
                          timeout=60)
     assert run.returncode == 3, run.stderr
     assert run.stdout == "out-no-newline" and run.stderr == "err-no-newline"
+
+
+def test_reduce_scatter_without_the_deprecation_warning_on_every_rank(tmp_path):
+    """ZeRO 1/2 reduce gradients with compat.reduce_scatter: torch's reduce_scatter_single
+    where it exists (reduce_scatter_tensor warned on every rank of every ZeRO run), the
+    same sums.  Two gloo ranks, warnings as errors."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, sys, warnings
+warnings.simplefilter("error")
+import torch, torch.distributed as dist
+from megatron.hpp import compat
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=rank, world_size=2)
+full = torch.arange(4.0) + 10 * rank
+part = torch.empty(2)
+compat.reduce_scatter(part, full)
+work = compat.reduce_scatter(part, full, async_op=True)
+work.wait()
+assert part.tolist() == ([10.0, 12.0] if rank == 0 else [14.0, 16.0]), part
+dist.destroy_process_group()
+print("ok", rank)
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.strip() == f"ok {r}", err[-2000:]

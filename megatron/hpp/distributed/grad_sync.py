@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from eth.layout.params import all_specs
+from megatron.hpp import compat
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -165,8 +166,8 @@ class GradReducer:
             b.work = dist.all_reduce(b.data, group=b.group, async_op=True)
         else:
             s = b.buf.shard_size
-            b.work = dist.reduce_scatter_tensor(b.data[b.index * s:(b.index + 1) * s], b.data,
-                                                group=b.group, async_op=True)
+            b.work = compat.reduce_scatter(b.data[b.index * s:(b.index + 1) * s], b.data, group=b.group,
+                                           async_op=True)
 
     def finish(self) -> None:
         """Launch what is left (in order) and wait for every reduction."""

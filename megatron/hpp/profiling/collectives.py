@@ -13,6 +13,7 @@ import statistics
 import torch
 
 from eth.errors import SpecError
+from megatron.hpp import compat
 from megatron.hpp.profiling.timing import Clock
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -57,7 +58,7 @@ def measure_collectives(device: torch.device, sizes=DEFAULT_COLLECTIVE_SIZES, re
                 rows["all_gather"].append(
                     [numel * 4, timed(lambda: dist.all_gather_into_tensor(full, part, group=group))])
                 rows["reduce_scatter"].append(
-                    [numel * 4, timed(lambda: dist.reduce_scatter_tensor(part, full, group=group))])
+                    [numel * 4, timed(lambda: compat.reduce_scatter(part, full, group=group))])
                 if n == 2:
                     rows["p2p"].append([numel * 4, timed(lambda: _ping_pong(full, rank)) / 2])
             for kind, table in rows.items():

@@ -135,6 +135,17 @@ def during(phase: str, timeout_minutes: float):
                           f"every rank stops") from exc
 
 
+def restartable() -> bool:
+    """Whether this worker runs under a torchrun agent that may restart it for a
+    membership change (``--max-restarts`` > 0: TORCHELASTIC_MAX_RESTARTS); plain torchrun
+    also sets TORCHELASTIC_RUN_ID (to "none" or a uuid) but never restarts."""
+    try:
+        return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS",
+                                                                                  "0")) > 0
+    except ValueError:
+        return False
+
+
 class ExitSignal:
     """Records SIGTERM instead of dying of it (``--exit-signal-handler``)."""
 
@@ -163,10 +174,11 @@ class ExitSignal:
         that restarts its workers for a node joining signals each of its workers itself,
         and a worker that ended with exit code 0 before its agent did so would read to
         that agent as the end of the job (it closes the rendezvous, and the joining node
-        never gets in).  Elsewhere, and once this rank has the signal, it returns at once."""
+        never gets in).  Elsewhere (:func:`restartable`), and once this rank has the
+        signal, it returns at once."""
         import time
 
-        if self.received or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        if self.received or not restartable():
             return
         end = time.monotonic() + (ELASTIC_STOP_WAIT_S if timeout_s is None else timeout_s)
         while not self.received and time.monotonic() < end:
