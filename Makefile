@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.py
 	$(BIN)/python -m pip install -q -e '.[runtime,test]'
 	touch $@
 
-# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster (bf16, ZeRO 1),
+# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster (fp32, ZeRO 1),
 # then train it with 4 CPU processes (gloo) following that plan, on the shipped English corpus.
 run: install
 	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
