@@ -240,3 +240,21 @@ def test_index_build_progress_bar_counts_indices(tmp_path):
     with ds._solo_group(), ds._progress(6, True, delay=0, file=io.StringIO()) as counted:
         ds._build(cfg, str(tmp_path / "cache"), [64, 16, 0])
     assert counted.builds == 0  # all loaded from the cache
+
+
+def test_a_resume_under_a_larger_global_batch_goes_on_from_the_consumed_samples(tmp_path, monkeypatch):
+    """10 iterations of gbs 8 consumed 80 samples; resumed at gbs 16 the offset is
+    80 - 10 x 16 = -80: global batch 10 reads samples 80..95 of the same order (the first
+    run's batches 10 and 11), and the batches before the resume are never read."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cfg = DataConfig((shipped_corpus(),), 32, 256, 1234)
+    first = build_sources(cfg, 8, 500, progress=False).train
+    second = build_sources(cfg, 16, 12, progress=False, train_samples=8 * 500, offset=80 - 10 * 16).train
+    for i in range(8):
+        assert torch.equal(second.sample(10, i), first.sample(10, i))
+        assert torch.equal(second.sample(10, 8 + i), first.sample(11, i))
+        assert torch.equal(second.sample(11, i), first.sample(12, i))
+    with pytest.raises(IndexError, match="starts before sample 0"):
+        second.sample(0, 0)
+    with pytest.raises(SpecError, match="do not fit"):     # the index must hold what the run reads
+        build_sources(cfg, 16, 300, progress=False, train_samples=8 * 500, offset=-80)

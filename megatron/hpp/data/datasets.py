@@ -14,8 +14,9 @@ Sample order (the :class:`GPTSource` contract the trainer relies on):
     sample i of global batch t  =  dataset[offset + t * gbs + i]        0 <= i < gbs
 
 ``offset`` is 0, except in a run resumed under another global batch: the checkpoint's
-consumed samples minus its iteration x the new gbs, so that the run goes on with the
-first sample not yet trained on, as Megatron's consumed-samples counter does.
+consumed samples minus its iteration x the new gbs (negative under a larger one: the
+global batches before the resume are then never read), so that the run goes on with
+the first sample not yet trained on, as Megatron's consumed-samples counter does.
 
 megatron-core shuffles documents and samples with ``seed``, so the order is a function
 of (data files, split, seq_len, seed, number of samples built) only: not of the plan,
@@ -274,6 +275,9 @@ class GPTSource:
             raise IndexError(f"sample {index} of global batch {iteration}: need 0 <= index < gbs "
                              f"{self.gbs} and iteration >= 0")
         pos = self.offset + iteration * self.gbs + index
+        if pos < 0:
+            raise IndexError(f"{self.name} data: global batch {iteration} starts before sample 0 (offset "
+                             f"{self.offset}): it was trained before the resume")
         if pos >= len(self.dataset):
             raise SpecError(f"{self.name} data: global batch {iteration} needs sample {pos}, the "
                             f"dataset was built for {len(self.dataset)} samples")
@@ -446,7 +450,8 @@ def build_sources(cfg: DataConfig, gbs: int, train_iters: int, valid_iters: int 
         raise SpecError(f"gbs {gbs}, train iterations {train_iters} and valid iterations {valid_iters}: "
                         f"need gbs > 0, train > 0, valid >= 0")
     check_data(cfg)
-    if offset < 0 or (train_samples is not None and train_samples < offset + train_iters * gbs):
+    # offset < 0: a resume under a larger global batch (its first global batches are never read)
+    if offset + train_iters * gbs <= 0 or (train_samples is not None and train_samples < offset + train_iters * gbs):
         raise SpecError(f"{train_samples} training samples from offset {offset}: {train_iters} iterations x "
                         f"gbs {gbs} do not fit")
     sizes = [offset + train_iters * gbs if train_samples is None else train_samples, valid_iters * gbs, 0]
