@@ -272,4 +272,26 @@ def test_an_elastic_worker_stopped_by_another_ranks_signal_waits_for_its_own(mon
         guard.await_own(10.0)                      # received: at once
         assert time.monotonic() - start < 0.5
     finally:
-        signal.signal(signal.SIGTERM, guard.previous)
+        guard.restore()
+
+
+def test_ctrl_c_is_caught_like_sigterm_and_a_second_one_interrupts():
+    """--exit-signal-handler: Ctrl-C (SIGINT) is recorded as SIGTERM is (the run saves
+    and stops after the iteration in progress); a second Ctrl-C raises
+    KeyboardInterrupt at once; the handlers are put back afterwards."""
+    import os
+    import signal
+
+    from megatron.hpp.training.failures import ExitSignal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    guard = ExitSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert guard.received and guard.name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is before[0]
+    finally:
+        guard.restore()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -147,17 +147,33 @@ def restartable() -> bool:
 
 
 class ExitSignal:
-    """Records SIGTERM instead of dying of it (``--exit-signal-handler``)."""
+    """Records SIGTERM and SIGINT (Ctrl-C) instead of dying of them
+    (``--exit-signal-handler``): the run saves and stops after the iteration in progress.
+    A second Ctrl-C interrupts at once (KeyboardInterrupt), as without the flag."""
 
-    def __init__(self, signum: int | None = None):
+    def __init__(self, signums=None):
         import signal
 
-        self.signum = signal.SIGTERM if signum is None else signum
+        self.signums = tuple(signums) if signums is not None else (signal.SIGTERM, signal.SIGINT)
+        self.signum = self.signums[0]
+        """The signal received (the first one watched until then)."""
         self.received = False
-        self.previous = signal.signal(self.signum, self._handle)
+        self.previous = {s: signal.signal(s, self._handle) for s in self.signums}
 
     def _handle(self, signum, frame) -> None:
-        self.received = True
+        import signal
+
+        if self.received and signum == signal.SIGINT:   # Ctrl-C again: stop waiting for the iteration
+            self.restore()
+            raise KeyboardInterrupt
+        self.received, self.signum = True, signum
+
+    def restore(self) -> None:
+        """Put back the handlers this replaced."""
+        import signal
+
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
     def any_rank(self, device) -> bool:
         """Whether any rank has received the signal (a collective: every rank calls it)."""
