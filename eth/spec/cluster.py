@@ -41,8 +41,8 @@ CLUSTER_VERSION = 1
 
 MAX_DEVICES = 1 << 17
 """The most devices a cluster file may hold (131072: 32x the largest cluster the planner
-is measured on, docs/PLANNER.md): one Device object per rank, and the planner's work
-grows with them."""
+is measured on, docs/EVALUATION.md "Search time"): one Device object per rank, and the
+planner's work grows with them."""
 
 
 @dataclass(frozen=True)
