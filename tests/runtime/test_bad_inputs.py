@@ -58,6 +58,12 @@ def test_tools_refuse_unwritable_outputs_before_working(tmp_path, capsys):
     line = _one_error(capsys, profile_ops.main(["--model", "tiny", "--device-type", "cpu", "--mbs", "1",
                                                 "--tp", "1", "-o", "/proc/nope/cpu.json", "--no-progress"]))
     assert "-o /proc/nope/cpu.json cannot be written" in line
+    # a micro-batch no memory holds: one line naming it, nothing written (a torch traceback before)
+    line = _one_error(capsys, profile_ops.main(["--model", "tiny", "--device-type", "cpu", "--mbs", "1000000000",
+                                                "--tp", "1", "--repeats", "1", "-o", str(tmp_path / "huge.json"),
+                                                "--no-progress"]))
+    assert line.startswith("error: --mbs 1000000000 --tp 1: the ops do not fit in cpu memory (")
+    assert line.endswith("give smaller --mbs") and not (tmp_path / "huge.json").exists()
 
     assert search_hpp.main([*plan, "-o", str(tmp_path / "plan.json")]) == 0
     capsys.readouterr()

@@ -116,6 +116,12 @@ def _main(argv=None) -> int:
     try:
         entries = profiler.measure_entries(
             cfg, device, lambda m, t, op: (bar.set_postfix_str(f"mbs {m} tp {t} {op}"), bar.update()))
+    except (RuntimeError, MemoryError) as exc:   # torch.OutOfMemoryError is a RuntimeError
+        text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        if not isinstance(exc, MemoryError) and "alloc" not in text.lower() and "out of memory" not in text.lower():
+            raise
+        raise SpecError(f"--mbs {','.join(map(str, mbs))} --tp {','.join(map(str, tp))}: the ops do not fit in "
+                        f"{device.type} memory ({text}); give smaller --mbs") from None
     finally:
         bar.close()
     prov = profile_file.provenance(cfg, device, "python tools/profile_ops.py " + shlex.join(argv))
