@@ -58,9 +58,10 @@ def parse_args(argv=None):
     c.add_argument("--load", default=None, metavar="DIR",
                    help="resume from the latest complete checkpoint in DIR; DIR must hold one, unless it "
                         "is the --save folder (then nothing there yet starts fresh)")
-    c.add_argument("--verify-checkpoint", action="store_true",
+    c.add_argument("--verify-checkpoint", action=argparse.BooleanOptionalAction, default=None,
                    help="compare every file of the checkpoint to load with its SHA-256 (one read of the "
-                        "checkpoint, shared by the ranks); by default sizes and the small files are checked")
+                        "checkpoint, shared by the ranks; the default with --load); --no-verify-checkpoint "
+                        "checks only sizes and the small files")
     c.add_argument("--exit-interval", type=int, default=None,
                    help="stop after an iteration divisible by this (after saving)")
     d = p.add_argument_group("data (default: synthetic sequences; docs/DATA.md)")
@@ -189,7 +190,8 @@ def config(argv=None):
                           data_path=args.data_path, split=args.split or DEFAULT_SPLIT,
                           data_cache_path=args.data_cache_path, save_params=args.save_params,
                           save=args.save, save_interval=args.save_interval, load=args.load,
-                          verify_checkpoint=args.verify_checkpoint,
+                          verify_checkpoint=(args.load is not None if args.verify_checkpoint is None
+                                             else args.verify_checkpoint),
                           exit_interval=args.exit_interval,
                           max_nan_iters=args.max_nan_iters, exit_signal_handler=args.exit_signal_handler,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,

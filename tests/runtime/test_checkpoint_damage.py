@@ -9,7 +9,7 @@
   intact iteration; the losses equal a single-process run of all iterations (1e-5).
   Then a shard cut short plus ``common.json`` replaced by ``{``: the next ``--load``
   passes both over and gives the same losses again; one changed byte in a shard (size
-  kept): ``--verify-checkpoint`` finds it and falls back.
+  kept): the checksums, compared by default on --load, find it and fall back.
 * SIGTERM to torchrun with ``--exit-signal-handler``: the iteration in progress ends, a
   checkpoint is saved, the run exits before torchrun's grace period; resumed under a
   plan with half the global batch, training goes on from the saved consumed samples
@@ -142,7 +142,7 @@ def test_killed_save_and_damaged_checkpoints_resume_from_the_last_intact(tmp_pat
     flipped = tmp_path / "flipped"
     shutil.copytree(ckpt, flipped)
     _corrupt_byte(sorted((flipped / "iter_0000008").glob("*.distcp"))[0])
-    out = _ok(launch(2, [*run, "--train-iters", "9", "--load", str(flipped), "--verify-checkpoint",
+    out = _ok(launch(2, [*run, "--train-iters", "9", "--load", str(flipped),     # verified by default
                          "--save-params", str(tmp_path / "c.pt")]))
     assert "does not match its checksum (its bytes were changed)): passed over" in out.stdout, out.stdout
     assert f"resumed from {flipped / 'iter_0000006'} at iteration 6" in out.stdout
