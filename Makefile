@@ -22,7 +22,7 @@ $(VENV)/.installed: setup.py
 run: install
 	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
 	    --profiles profiles/measured/cpu.json --precision fp32 --gbs 16 --zero-stage 1 -o $(OUT)/plan.json
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 pretrain_gpt.py \
+	OMP_NUM_THREADS=1 $(BIN)/hpp-run --standalone --nproc-per-node 4 pretrain_gpt.py \
 	    --hpp-plan $(OUT)/plan.json --train-iters 20 --log-interval 1 \
 	    --data-path megatron/hpp/corpus/english
 

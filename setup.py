@@ -17,6 +17,7 @@ CLI = {
     "hpp-profiles": "eth.cli.make_profiles:main",    # tools/make_profiles.py
     "hpp-profile": "megatron.hpp.cli.profile_ops:main",        # tools/profile_ops.py
     "hpp-preprocess": "megatron.hpp.cli.preprocess_data:main",  # tools/preprocess_data.py
+    "hpp-run": "megatron.hpp.cli.run:main",           # tools/run.py: torchrun, failures in one line
 }
 
 setup(

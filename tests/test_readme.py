@@ -38,12 +38,16 @@ def split_env(cmd) -> tuple[dict, list[str]]:
     return env, cmd
 
 
+LAUNCHERS = ("torchrun", "hpp-run")
+"""torch's launcher, and ours (megatron/hpp/cli/run.py: its arguments, failures in one line)."""
+
+
 def _flags(cmd):
     return [a.split("=")[0] for a in cmd if a.startswith("-") and not re.fullmatch(r"-\d.*", a)]
 
 
 def _help(cmd) -> str:
-    if cmd[0] == "torchrun":
+    if cmd[0] in LAUNCHERS:
         cmd = ["python", *cmd[cmd.index("pretrain_gpt.py"):]]
     argv = [sys.executable, *cmd[1:3]] if cmd[1] == "-m" else [sys.executable, cmd[1]]
     proc = subprocess.run(argv + ["--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -61,18 +65,18 @@ def commands():
 def test_every_command_exists_and_takes_its_flags(commands):
     for cmd in commands:
         _, cmd = split_env(cmd)
-        assert cmd[0] in ("python", "torchrun"), cmd
+        assert cmd[0] in ("python", *LAUNCHERS), cmd
         if cmd[0] == "python" and cmd[1] != "-m":
             assert (ROOT / cmd[1]).is_file(), cmd
         usage = _help(cmd)
-        for flag in _flags(cmd[cmd.index("pretrain_gpt.py"):] if cmd[0] == "torchrun" else cmd[2:]):
+        for flag in _flags(cmd[cmd.index("pretrain_gpt.py"):] if cmd[0] in LAUNCHERS else cmd[2:]):
             assert flag in usage, (flag, cmd)
 
 
 def test_training_command_matches_its_plan(commands):
     from eth.spec.cluster import load_cluster
 
-    runs = [split_env(c) for c in commands if split_env(c)[1][0] == "torchrun"]
+    runs = [split_env(c) for c in commands if split_env(c)[1][0] in LAUNCHERS]
     assert runs
     for env, train in runs:
         nproc = int(train[train.index("--nproc-per-node") + 1])

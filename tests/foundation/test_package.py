@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRY_POINTS = {"hpp-search", "hpp-show", "hpp-profiles", "hpp-profile", "hpp-preprocess"}
+ENTRY_POINTS = {"hpp-search", "hpp-show", "hpp-profiles", "hpp-profile", "hpp-preprocess", "hpp-run"}
 
 
 def _source_files() -> set[str]:
@@ -65,7 +65,7 @@ def test_wheel_entry_points_are_importable_mains(wheel):
 def test_thin_tools_wrap_the_package_mains():
     for tool, module in [("search_hpp", "eth.cli.search_hpp"), ("show_plan", "eth.cli.show_plan"),
                          ("make_profiles", "eth.cli.make_profiles"), ("profile_ops", "megatron.hpp.cli.profile_ops"),
-                         ("preprocess_data", "megatron.hpp.cli.preprocess_data")]:
+                         ("preprocess_data", "megatron.hpp.cli.preprocess_data"), ("run", "megatron.hpp.cli.run")]:
         text = (ROOT / "tools" / f"{tool}.py").read_text()
         assert f"from {module} import" in text and len(text.splitlines()) < 20, tool
 

@@ -111,3 +111,11 @@ def test_pretrain_bad_input_under_torchrun_is_one_line_and_exit_2_on_every_rank(
         assert lines[0] == ours[0], (extra, lines[:5])         # before torchrun's report
         codes = re.findall(r"^\s+exitcode\s*:\s*(-?\d+)", "\n".join(lines), re.M)
         assert sorted(codes) == ["2", "2"], (extra, codes)
+    # hpp-run (tools/run.py): the rank's one line and nothing else, exit 2
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "run.py"), "--standalone", "--nproc-per-node", "2",
+                           str(REPO / "pretrain_gpt.py"), *run, "--save", "/proc/nope/ck"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr.splitlines() == ["error: --save /proc/nope/ck cannot be written: cannot create anything in "
+                                        "/proc (No such file or directory)"], proc.stderr[-3000:]
