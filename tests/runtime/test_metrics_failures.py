@@ -116,7 +116,9 @@ def test_stale_profile_warning_once_on_the_running_mean_beyond_20_percent():
     log.record(5, _result(elapsed=0.1))            # mean of 5: 180 ms
     log.record(6, _result(elapsed=0.5))            # still off, but said once
     assert warnings == ["warning: measured iteration time 180.0 ms (mean of 5) is 1.80x the plan's predicted "
-                        "100.0 ms (more than 20% off): profile may be stale: re-run tools/profile_ops.py"]
+                        "100.0 ms (more than 20% off): profile may be stale: re-run tools/profile_ops.py on this "
+                        f"host (--model {plan.model.name} --device-type A100 -o my_profiles/A100.json) and plan "
+                        "again with --profiles my_profiles/"]
     noisy, _, quiet = _logger(plan, interval=1, iters=20)
     for it, elapsed in enumerate([1.0, 0.1, 0.1, 0.1, 0.1, 0.15, 0.1, 0.1]):
         noisy.record(it, _result(elapsed=elapsed))  # one 1.5x iteration in a 1.06x run: no warning

@@ -109,6 +109,16 @@ def tensorboard_writer(log_dir: str | None, note=print):
     return SummaryWriter(log_dir=log_dir)
 
 
+def _reprofile_hint(plan) -> str:
+    """What to run on this host: the profile of each of the plan's device types (emulated
+    CPU types share the ``cpu`` one) and a new plan from it."""
+    types = sorted({"cpu" if t.emulate_speed > 0 else name for name, t in plan.cluster.types.items()})
+    first = types[0]
+    more = f" (and --device-type {', '.join(types[1:])} on those devices)" if len(types) > 1 else ""
+    return (f" on this host (--model {plan.model.name} --device-type {first} -o my_profiles/{first}.json{more}) "
+            f"and plan again with --profiles my_profiles/")
+
+
 class MetricsLogger:
     """Aggregates :class:`~megatron.hpp.training.loop.StepResult` s over ``log_interval``
     iterations and prints (and writes) them on the rank where ``enabled``."""
@@ -205,7 +215,7 @@ class MetricsLogger:
         self.warned_stale = True
         return (f"warning: measured iteration time {measured:.1f} ms (mean of {count}) is {ratio:.2f}x the plan's "
                 f"predicted {predicted:.1f} ms (more than {STALE_TOLERANCE:.0%} off): profile may be stale: "
-                f"re-run tools/profile_ops.py")
+                f"re-run tools/profile_ops.py{_reprofile_hint(self.plan)}")
 
     def _write(self, s: dict) -> None:
         step, w = s["iteration"], self.writer
