@@ -59,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-stages", type=int, default=16)
     p.add_argument("--time-model", dest="objective", default="blocks", choices=("blocks", "eq5"),
                    help="the iteration-time model the plan is scored by: blocks (default: each gradient block "
-                        "reduced once its slowest holder in any pipeline is done) or eq5 (the paper's Eq. 5: each stage's own "
-                        "All-Reduce right after its own backward)")
+                        "reduced once its slowest holder in any pipeline is done) or eq5 (the paper's Eq. 5: "
+                        "each stage's own All-Reduce right after its own backward)")
     p.add_argument("--no-simulate-finalists", action="store_true",
                    help="return the best finalist by the objective instead of re-scoring those within 2%% of "
                         "it by the event simulator")
