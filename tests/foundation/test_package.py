@@ -143,3 +143,35 @@ def test_make_profiles_refuses_an_unwritable_output_and_a_flag_it_would_ignore(t
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and said in err, (argv, err)
     assert not (tmp_path / "p").exists()
+
+
+def test_hpp_run_says_where_it_waits_and_summarises_a_failure(monkeypatch, capsys):
+    """hpp-run (megatron/hpp/cli/run.py) around torch's launcher (stubbed here): the
+    rendezvous it waits at on several nodes, and one line per kind of failure."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from megatron.hpp.cli.run import main
+
+    outcome = {}
+
+    def fake_run(args):
+        if "raise" in outcome:
+            raise outcome["raise"]
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    elastic = ["--nnodes", "3:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:29400", "--rdzv-id", "job7",
+               "train.py"]
+    assert main(elastic) == 0
+    assert capsys.readouterr().err == "hpp-run: waiting at the rendezvous host:29400 (run id job7) for 3 to 4 nodes\n"
+    assert main(["--nproc-per-node", "2", "train.py"]) == 0 and capsys.readouterr().err == ""
+    for code, line, exit_code in ((2, "", 2), (1, "error: rank 3 exited with code 1 (its output is above)\n", 1),
+                                  (-9, "error: rank 3 was killed by SIGKILL\n", 137)):
+        failure = ProcessFailure(local_rank=3, pid=1234, exitcode=code, error_file="")
+        outcome["raise"] = ChildFailedError("train.py", {3: failure})
+        assert main(["--nproc-per-node", "4", "train.py"]) == exit_code
+        assert capsys.readouterr().err == line
+    outcome["raise"] = SignalException("stopped", sigval=15)
+    assert main(["--nproc-per-node", "4", "train.py"]) == 143
+    assert capsys.readouterr().err == "hpp-run: stopped by SIGTERM\n"

@@ -13,7 +13,9 @@ report and traceback under the worker's line; ``hpp-run`` prints instead:
   stops the workers (with ``--exit-signal-handler`` they save first) and exits 128 + the
   signal's number, as a shell reports a signalled program.
 
-The launcher's own log lines about a failing worker are left out.  Everything else
+On more than one node it first says which rendezvous it waits at and for how many
+nodes (torchrun waits there without a word).  The launcher's own log lines about a
+failing worker are left out.  Everything else
 (rendezvous, elastic restarts, environment) is torchrun's.
 """
 from __future__ import annotations
@@ -33,9 +35,13 @@ def _signal_name(number: int) -> str:
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    low, high = parse_min_max_nnodes(args.nnodes)
+    if high > 1:   # torchrun waits at the rendezvous without a word until enough nodes come
+        print(f"hpp-run: waiting at the rendezvous {args.rdzv_endpoint or args.master_addr} (run id "
+              f"{args.rdzv_id}) for {low if low == high else f'{low} to {high}'} nodes", file=sys.stderr, flush=True)
     # the launcher's own lines about a failing worker ("failed (exitcode: 2) ...", "Sending
     # process ... closing signal"): the one line below says it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
