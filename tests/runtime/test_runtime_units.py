@@ -314,3 +314,17 @@ print("ok", rank)
     outs = [p.communicate(timeout=120) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and out.strip() == f"ok {r}", err[-2000:]
+
+
+def test_the_setup_line_says_which_types_are_emulated_and_which_run_at_full_speed():
+    """A plan edited to emulate_speed 0 for one CPU type trains that type at full speed:
+    the run's setup line says so instead of calling the whole run emulated."""
+    import json
+
+    from eth.spec.plan import Plan
+    from megatron.hpp.training.loop import emulation_line
+
+    data = json.loads((REPO / "examples" / "plans" / "cpu-demo.json").read_text())
+    assert emulation_line(Plan.from_dict(data)) == "emulated: cpu-fast 0.25 of a core, cpu-slow 0.064 of a core"
+    data["cluster"]["device_types"]["cpu-slow"]["emulate_speed"] = 0.0
+    assert emulation_line(Plan.from_dict(data)) == "emulated: cpu-fast 0.25 of a core, cpu-slow not emulated (full core)"

@@ -240,6 +240,15 @@ def check_outputs(cfg: TrainConfig) -> None:
         check_output_file(cfg.save_params, "--save-params")
 
 
+def emulation_line(plan) -> str:
+    """Each device type's speed on a CPU run: a fraction of a core, or a whole core where the
+    plan leaves ``emulate_speed`` at 0 (not emulated: its ranks run at full speed)."""
+    used = {st.device_type for p in plan.pipelines for st in p.stages}
+    return "emulated: " + ", ".join(
+        f"{name} {t.emulate_speed:g} of a core" if t.emulate_speed > 0 else f"{name} not emulated (full core)"
+        for name, t in sorted(plan.cluster.types.items()) if name in used)
+
+
 def check_iterations_left(cfg: TrainConfig, iteration: int) -> None:
     if iteration >= cfg.train_iters:
         raise SpecError(f"--load {cfg.load} is at iteration {iteration}, --train-iters is {cfg.train_iters}: "
@@ -411,7 +420,8 @@ class Trainer:
         return (f"training {self.plan.model.name} with {len(self.plan.pipelines)} pipeline(s) on "
                 f"{self.plan.world_size} ranks ({self.backend.name}) | {s.precision} weights, {s.grad_reduce} "
                 f"gradients, ZeRO {s.zero_stage} | {g.strategy}-wise gradient sync: {groups} "
-                f"collective buffer(s) in {len(g.groups())} group(s) | data: {self.data_line()}")
+                f"collective buffer(s) in {len(g.groups())} group(s) | data: {self.data_line()}"
+                + (f" | {emulation_line(self.plan)}" if self.emulated else ""))
 
     def data_line(self) -> str:
         if self.cfg.data_path is None:
