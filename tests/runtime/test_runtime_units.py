@@ -327,4 +327,5 @@ def test_the_setup_line_says_which_types_are_emulated_and_which_run_at_full_spee
     data = json.loads((REPO / "examples" / "plans" / "cpu-demo.json").read_text())
     assert emulation_line(Plan.from_dict(data)) == "emulated: cpu-fast 0.25 of a core, cpu-slow 0.064 of a core"
     data["cluster"]["device_types"]["cpu-slow"]["emulate_speed"] = 0.0
-    assert emulation_line(Plan.from_dict(data)) == "emulated: cpu-fast 0.25 of a core, cpu-slow not emulated (full core)"
+    assert emulation_line(Plan.from_dict(data)) == ("emulated: cpu-fast 0.25 of a core, "
+                                                    "cpu-slow not emulated (full core)")
