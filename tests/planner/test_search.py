@@ -442,3 +442,17 @@ def test_a_pipeline_count_the_patience_stop_cut_short_gets_its_symmetric_group()
     assert cut.search["symmetric"]["pipelines"] == [2, 4]
     assert full.search["patience_stop"] == 0 and full.search["symmetric"]["pipelines"] == [4]
     assert cut.predicted["iteration_ms"] == pytest.approx(full.predicted["iteration_ms"], rel=1e-9)
+
+
+def test_cache_hits_count_the_hits_and_nothing_else():
+    """plan.search["cache_hits"]: 0 with the cache off; with it on, some hits, the same plan
+    and fewer cost evaluations."""
+    from _planner_data import A2R2, M4, make_cluster, profiles_for
+
+    cluster = make_cluster(A2R2)
+    db = profiles_for(M4, cluster)
+    off = search(M4, cluster, db, SearchOptions(gbs=16, cache=False, seeds=False))
+    on = search(M4, cluster, db, SearchOptions(gbs=16, seeds=False))
+    assert off.search["cache_hits"] == 0 and on.search["cache_hits"] > 0
+    assert on.predicted["iteration_ms"] == off.predicted["iteration_ms"]
+    assert on.search["cost_evaluations"] < off.search["cost_evaluations"]
