@@ -249,8 +249,6 @@ class CostModel(StageFloors, CutStages):
             if saved is None:
                 saved = self._cache[rkey] = self.recompute_savings(ops, recompute)
             act -= saved
-        else:
-            act -= 0.0
         for f, b, w, a in extra:
             fwd += f
             bwd += b
