@@ -175,9 +175,6 @@ def _main(argv=None) -> int:
               + (" (merged into the existing file)" if merged else ""))
         return 0
 
-    if out.exists() and not out.is_dir():
-        raise SpecError(f"-o {out} is a file; the generator writes one <device>.json per device "
-                        f"into a folder")
     devices = catalog()
     names = _names(args.devices, list(devices), "device")
     overrides = overrides_of(args)

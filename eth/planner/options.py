@@ -33,6 +33,12 @@ def check_gbs(gbs) -> None:
                         f"(its batch allocation grows with the number of micro-batches)")
 
 
+def check_time_limit(seconds) -> None:
+    """One line naming ``seconds`` unless it is a finite number >= 0 (0: no limit; NaN fails)."""
+    if not 0 <= seconds < math.inf:
+        raise SpecError(f"time_limit must be a number of seconds >= 0 (0: none), got {seconds}")
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """Knobs of the HPP planner.  Every optimisation of paper section 5 has a switch."""
@@ -177,8 +183,7 @@ class SearchOptions:
             raise SpecError(f"strategy {self.strategy!r} is unknown; known: {', '.join(STRATEGIES)}")
         if not 1 <= self.alpha < math.inf:       # NaN fails both
             raise SpecError(f"alpha must be a number >= 1, got {self.alpha}")
-        if not 0 <= self.time_limit < math.inf:
-            raise SpecError(f"time_limit must be a number of seconds >= 0 (0: none), got {self.time_limit}")
+        check_time_limit(self.time_limit)
         if self.stage_groups_topk < 0 or self.polish_top < 0:
             raise SpecError(f"stage_groups_topk and polish_top must be >= 0, got "
                             f"{self.stage_groups_topk}, {self.polish_top}")

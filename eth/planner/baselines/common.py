@@ -17,6 +17,7 @@ from eth.spec.plan import PipelinePlan, Plan, StagePlan
 from eth.spec.precision import TrainSetup
 from eth.planner.bounds import stage_group_floors
 from eth.planner.evaluate import Evaluator, PipeState, StageState
+from eth.planner.options import check_time_limit
 from eth.planner.progress import Clock
 
 BASELINES = ("uniform", "metis", "metis-strong", "hexiscale", "hexiscale-strong", "typesplit")
@@ -91,8 +92,7 @@ class BaselineOptions:
             raise SpecError(f"objective must be one of blocks, eq5, got {self.objective!r}")
         if self.recompute not in ("stage", "op"):
             raise SpecError(f"recompute must be 'stage' or 'op', got {self.recompute!r}")
-        if not 0 <= self.time_limit < math.inf:   # NaN fails both
-            raise SpecError(f"time_limit must be a number of seconds >= 0 (0: none), got {self.time_limit}")
+        check_time_limit(self.time_limit)
         for name in ("max_stages", "max_blocks_per_type", "balance_budget", "max_micro", "fixed_mbs"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
