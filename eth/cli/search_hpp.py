@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with three or more device types, stop enumerating device groups after this many "
                         "in a row did not make the best plan 0.1%% faster (0: every group)")
     p.add_argument("--max-stages", type=int, default=16)
-    p.add_argument("--time-model", dest="objective", default="blocks", choices=("blocks", "eq5"),
+    p.add_argument("--time-model", default="blocks", choices=("blocks", "eq5"),
                    help="the iteration-time model the plan is scored by: blocks (default: each gradient block "
                         "reduced once its slowest holder in any pipeline is done) or eq5 (the paper's Eq. 5: "
                         "each stage's own All-Reduce right after its own backward)")
@@ -68,6 +68,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=usable_cpus(),
                    help="processes the search may use at once (default: the CPUs this process may "
                         "run on); the plan is the same for any value")
+    f = p.add_argument_group("fleet: which of the cluster's devices to use (node counts are what is available)")
+    f.add_argument("--objective", default="throughput", choices=("throughput", "cost"),
+                   help="throughput: most samples/s; cost: fewest USD per sample (needs price_per_hour)")
+    f.add_argument("--use-all", action="store_true", help="use every device of the cluster file")
+    f.add_argument("--min-throughput", type=float, default=0.0, metavar="SAMPLES_PER_S",
+                   help="the plan must reach this many samples/s (0: no constraint)")
+    f.add_argument("--max-cost-per-hour", type=float, default=0.0, metavar="USD",
+                   help="the plan may cost at most this, devices plus egress (0: no constraint)")
+    f.add_argument("--pareto", metavar="FILE.csv",
+                   help="write the throughput-cost frontier of the fleets: one row per plan with its devices")
+    f.add_argument("--png", metavar="FILE.png", help="with --pareto: plot the frontier")
     add_model_args(p)
     t = p.add_argument_group("training setup (memory and Eq. 6; recorded in the plan, used by the runtime)")
     t.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
@@ -87,12 +98,23 @@ def _main(argv=None) -> int:
     from eth.planner.job import plan_job
     from eth.planner.options import SearchOptions
     from eth.spec.precision import TrainSetup
+    from eth.report.fleet import format_fleet_line
     from eth.report.tables import format_plan_table, format_search_line
 
-    if args.output:  # before the search, so that a long search's result is not lost
-        check_output_file(args.output)
+    from eth.errors import SpecError
+    from eth.planner.fleet import FleetOptions
+
+    if args.png and not args.pareto:
+        raise SpecError("--png draws the frontier of --pareto FILE.csv; give --pareto too")
+    for flag, path in (("-o", args.output), ("--pareto", args.pareto), ("--png", args.png)):
+        if path:   # before the search, so that its result is not lost
+            check_output_file(path, flag)
     model = model_from_args(args, attention=args.attention)
     cluster = load_cluster(args.cluster)
+    fleet = FleetOptions(args.objective, args.use_all, args.min_throughput, args.max_cost_per_hour,
+                         pareto=bool(args.pareto))
+    if args.use_all and args.pareto:
+        raise SpecError("--pareto compares fleets of the cluster; it cannot be given with --use-all")
     options = SearchOptions(gbs=args.gbs, strategy=args.strategy, cache=not args.no_cache,
                             skip=not args.no_skip, order=not args.no_order, dp=not args.no_dp,
                             seeds=not args.no_seeds,
@@ -100,17 +122,22 @@ def _main(argv=None) -> int:
                             max_blocks_per_type=args.max_blocks_per_type, max_blocks=args.max_blocks,
                             type_orders=args.type_orders, patience=args.patience,
                             max_stages=args.max_stages, allow_overshoot=args.allow_overshoot,
-                            op_boundaries=args.op_boundaries, objective=args.objective,
+                            op_boundaries=args.op_boundaries, objective=args.time_model,
                             simulate_finalists=not args.no_simulate_finalists,
                             progress=not args.no_progress, jobs=args.jobs,
                             setup=TrainSetup(args.precision, args.zero_stage, args.grad_reduce))
-    plan = plan_job(model, cluster, args.profiles, options, args.profiles_fallback)
+    plan = plan_job(model, cluster, args.profiles, options, args.profiles_fallback, fleet=fleet)
     added = plan.search.get("analytic_profiles")
     if added:  # said after the search so that an error stays a single line
         print(f"note: analytic profiles (roofline estimates) for {model.name} on "
               f"{', '.join(added)}", file=sys.stderr)
     print(format_plan_table(plan))
     print(format_search_line(plan))
+    print(format_fleet_line(plan))
+    if args.pareto:
+        from eth.report.fleet import write_frontier
+
+        print(write_frontier(plan, args.pareto, args.png))
     mixed = plan.search.get("mixed_type_best")
     if mixed:  # faithful Metis: a layout the plan format cannot hold (one device type per stage)
         print(f"note: a Metis layout with mixed-type stages is predicted {mixed['iteration_ms']:.1f} ms "

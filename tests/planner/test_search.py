@@ -274,8 +274,10 @@ def test_cli_main_in_process_turns_spec_errors_into_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = [line for line in err.splitlines() if " in " in line and line.endswith(" s")]
-    assert [line.split(":")[0] for line in lines] == ["metis-strong", "hpp"], err
-    assert re.fullmatch(r"hpp: \d+/\d+ group in \d+\.\d s", lines[1]), lines
+    # the search on every device has its bar, then the fleet choice's over the fleets
+    assert [line.split(":")[0] for line in lines] == ["metis-strong", "fleets", "hpp", "fleets"], err
+    assert re.fullmatch(r"hpp: \d+/\d+ group in \d+\.\d s", lines[2]), lines
+    assert re.fullmatch(r"fleets: \d/3 fleet in \d+\.\d s", lines[3]), lines
 
 
 @pytest.mark.parametrize("nodes, gbs", [(A2R2, 4), (A2R2, 16), ([{"type": "A100", "devices_per_node": 2, "count": 2},
