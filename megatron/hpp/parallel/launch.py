@@ -173,6 +173,23 @@ def node_assignment(cluster, hosts: Sequence[str]) -> list[tuple[str, int, int, 
     return [(h, n, len(devs), devs[0].type) for h, (n, devs) in zip(hosts, sorted(per_node.items()))]
 
 
+def fleet_hosts(plan, hosts: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the hosts the plan uses, the hosts it leaves out) of ``hosts`` given in the node
+    order of the cluster file the plan's fleet was chosen from (``plan.search["fleet"]``:
+    the first ``used`` nodes of each node group); ``hosts`` unchanged when they are as many
+    as the plan's own nodes."""
+    groups = (plan.search.get("fleet") or {}).get("groups")
+    nodes = len({d.node for d in plan.cluster.devices})
+    if not groups or len(hosts) == nodes or len(hosts) != sum(g["available"] for g in groups):
+        return list(hosts), []
+    used, out, at = [], [], 0
+    for g in groups:
+        used += hosts[at:at + g["used"]]
+        out += hosts[at + g["used"]:at + g["available"]]
+        at += g["available"]
+    return used, out
+
+
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron.hpp.parallel.launch", allow_abbrev=False,
                                  description="Rank placement of a plan over hosts (see the module docstring).")
@@ -185,19 +202,31 @@ def _main(argv=None) -> int:
 
     plan = load_plan(args.plan)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    hosts, left_out = fleet_hosts(plan, hosts)
     rows = node_assignment(plan.cluster, hosts)
     if args.what == "order":
         first = 0
         for host, node, nproc, dtype in rows:
             print(f"{host}: node {node}, {dtype} x {nproc}, ranks {first}-{first + nproc - 1}")
             first += nproc
+        for host in left_out:
+            print(f"{host}: not in the plan (its fleet leaves the node out)")
         return 0
     me = args.host or socket.gethostname()
-    mine = [r for r in rows if r[0] == me or r[0].split(".")[0] == me.split(".")[0]]
+
+    def same(host):
+        return host == me or host.split(".")[0] == me.split(".")[0]
+
+    mine = [r for r in rows if same(r[0])]
+    if not mine and any(same(h) for h in left_out):
+        print(f"HPP_LEFT_OUT=1 NNODES={len(rows)} NODE_RANK=-1 NPROC_PER_NODE=0 "
+              f"WORLD_SIZE={plan.cluster.world_size} MASTER_HOST={rows[0][0]}")
+        return 0
     if not mine:
-        raise SpecError(f"host {me} is not in --hosts {','.join(hosts)}")
+        raise SpecError(f"host {me} is not in --hosts {','.join(hosts + left_out)}")
     _, node, nproc, _ = mine[0]
-    print(f"NNODES={len(rows)} NODE_RANK={node} NPROC_PER_NODE={nproc} WORLD_SIZE={plan.cluster.world_size}")
+    print(f"HPP_LEFT_OUT=0 NNODES={len(rows)} NODE_RANK={node} NPROC_PER_NODE={nproc} "
+          f"WORLD_SIZE={plan.cluster.world_size} MASTER_HOST={rows[0][0]}")
     return 0
 
 
