@@ -17,10 +17,11 @@ $(VENV)/.installed: setup.py
 	$(BIN)/python -m pip install -q -e '.[runtime,test]'
 	touch $@
 
-# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster (fp32, ZeRO 1),
-# then train it with 4 CPU processes (gloo) following that plan, on the shipped English corpus.
+# Main job: plan a tiny GPT for an emulated 2-fast + 2-slow CPU cluster (fp32, ZeRO 1) on every
+# device (--use-all: at this batch the fleet choice would leave the slow ranks out), then
+# train it with 4 CPU processes (gloo) following that plan, on the shipped English corpus.
 run: install
-	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
+	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml --use-all \
 	    --profiles profiles/measured/cpu.json --precision fp32 --gbs 16 --zero-stage 1 -o $(OUT)/plan.json
 	OMP_NUM_THREADS=1 $(BIN)/hpp-run --standalone --nproc-per-node 4 pretrain_gpt.py \
 	    --hpp-plan $(OUT)/plan.json --train-iters 20 --log-interval 1 \
@@ -41,7 +42,7 @@ profiles: install
 # tables, plans and plots in bench/results/ (the full run takes about 40 minutes on 2 cores).
 # Measured results have their own commands: docs/EVALUATION.md.
 results: profiles
-	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml \
+	$(BIN)/python tools/search_hpp.py --model tiny --cluster examples/clusters/cpu-demo.yaml --use-all \
 	    --profiles profiles/measured/cpu.json --precision fp32 --gbs 16 --zero-stage 1 -o examples/plans/cpu-demo.json
 	$(BIN)/python tools/search_hpp.py --model gpt3-13b --cluster examples/clusters/b2b4-64.yaml --profiles profiles \
 	    --gbs 1024 --seq 2048 --time-limit 60 -o bench/results/plans/gpt3-13b-b2b4-64-hpp-bf16.json
