@@ -37,6 +37,13 @@ def parse_args(argv=None):
     s.add_argument("--hpp-profiles", metavar="FILE|DIR", help="op profiles (default: analytic estimates)")
     s.add_argument("--hpp-time-limit", type=float, default=0.0,
                    help="seconds for the search at start-up, 0 = none (keep it under the collective timeout)")
+    s.add_argument("--hpp-objective", choices=("throughput", "cost"), default=None,
+                   help="let the plan leave nodes out (the fleet choice of tools/search_hpp.py --objective): their "
+                        "ranks exit; default: a plan for every rank started")
+    s.add_argument("--hpp-min-throughput", type=float, default=0.0, metavar="SAMPLES_PER_S",
+                   help="with --hpp-objective: samples/s the plan must reach")
+    s.add_argument("--hpp-max-cost-per-hour", type=float, default=0.0, metavar="USD",
+                   help="with --hpp-objective: USD/h the plan may cost (the fleet file's price_per_hour)")
     p.add_argument("--train-iters", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="cosine decay floor (default: constant lr)")
@@ -129,10 +136,11 @@ def plan_request(args):
         raise SpecError("give --hpp-plan PLAN.json (a plan made by tools/search_hpp.py) or --hpp-cluster "
                         "FLEET.yaml (plan at start-up), not " + ("both" if args.hpp_plan else "neither"))
     if args.hpp_cluster is None:
-        for flag, value in (("--model", args.model), ("--hpp-profiles", args.hpp_profiles)):
+        for flag, value in (("--model", args.model), ("--hpp-profiles", args.hpp_profiles),
+                            ("--hpp-objective", args.hpp_objective)):
             if value is not None:
                 raise SpecError(f"{flag} {value} is read with --hpp-cluster only (the plan names its model "
-                                f"and was searched with its profiles)")
+                                f"and devices and was searched with its profiles)")
         return None
     from eth.spec.cluster import load_cluster
     from eth.spec.model_source import apply_overrides, load_model, overrides_of
@@ -146,12 +154,22 @@ def plan_request(args):
         raise SpecError(f"--hpp-time-limit must be a number of seconds >= 0 (0: none), got {args.hpp_time_limit}")
     if args.hpp_profiles is not None and not os.path.exists(args.hpp_profiles):
         raise SpecError(f"--hpp-profiles {args.hpp_profiles} does not exist")
-    load_cluster(args.hpp_cluster)
+    for flag, value in (("--hpp-min-throughput", args.hpp_min_throughput),
+                        ("--hpp-max-cost-per-hour", args.hpp_max_cost_per_hour)):
+        if value and args.hpp_objective is None:
+            raise SpecError(f"{flag} constrains the fleet choice: give --hpp-objective throughput|cost too")
+    fleet = load_cluster(args.hpp_cluster)
+    if args.hpp_objective is not None:
+        from eth.planner.fleet import FleetOptions
+
+        FleetOptions(args.hpp_objective, min_throughput=args.hpp_min_throughput,
+                     max_cost_per_hour=args.hpp_max_cost_per_hour).check(fleet)
     overrides = overrides_of(args)
     apply_overrides(load_model(args.model, overrides.get("seq_length")), overrides)
     return PlanRequest(args.hpp_cluster, args.model, args.global_batch_size, overrides, args.hpp_profiles,
                        args.precision or "bf16", args.zero_stage or 0, args.grad_reduce or "fp32",
-                       args.hpp_time_limit)
+                       args.hpp_time_limit, args.hpp_objective or "", args.hpp_min_throughput,
+                       args.hpp_max_cost_per_hour)
 
 
 def main(argv=None) -> int:

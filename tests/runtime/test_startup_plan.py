@@ -143,7 +143,15 @@ def test_flags_of_the_two_ways_to_get_a_plan(capsys):
             (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
                      "--hpp-time-limit", "nan"], "--hpp-time-limit must be a number of seconds >= 0 (0: none), got nan"),
             (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
-                     "--save", "/proc/nope/ck"], "--save /proc/nope/ck cannot be written")]:
+                     "--save", "/proc/nope/ck"], "--save /proc/nope/ck cannot be written"),
+            (base + ["--hpp-plan", "p.json", "--hpp-objective", "cost"],
+             "--hpp-objective cost is read with --hpp-cluster only"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
+                     "--hpp-min-throughput", "5"],
+             "--hpp-min-throughput constrains the fleet choice: give --hpp-objective throughput|cost too"),
+            (base + ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16",
+                     "--hpp-objective", "cost"],
+             "objective cost needs a price_per_hour for every device type; cpu-fast, cpu-slow have none")]:
         assert pretrain_gpt.config(argv) is None
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], (argv, err)
@@ -182,5 +190,21 @@ def test_four_ranks_plan_at_start_up_and_train_to_the_single_process_losses(tmp_
     assert (ckpt / "iter_0000003").is_dir() and (ckpt / "latest").read_text().strip() == "iter_0000003"
     got = torch.load(tmp_path / "a.pt")
     ref_losses, ref_params = train_reference(get_model("tiny"), 16, 3)
+    assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    assert_same_params(got["params"], ref_params)
+    # --hpp-objective: the fleet choice leaves the slow ranks out at this batch; they exit 0,
+    # the fast ones train as ranks 0-1 of a group of their own, to the same losses
+    fleet = launch(4, ["--hpp-cluster", str(DEMO), "--model", "tiny", "--global-batch-size", "16", "--fp32",
+                       "--hpp-profiles", PROFILES, "--train-iters", "3", "--save", str(tmp_path / "fleet"),
+                       "--save-params", str(tmp_path / "b.pt"), "--hpp-objective", "throughput"],
+                   extra_env={"HPP_DEVICE_TYPE": "cpu-fast,cpu-fast,cpu-slow,cpu-slow"})
+    for r in fleet:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.stderr[-3000:]}"
+    assert ("plan at start-up: the fleet choice (throughput) uses 2 of 4 ranks; ranks 2-3 are left out and exit"
+            in fleet[0].stdout)
+    assert "on 2 ranks" in fleet[0].stdout and not fleet[2].stdout.strip() and not fleet[3].stdout.strip()
+    kept = json.loads((tmp_path / "fleet" / PLAN_FILE).read_text())
+    assert [g["used"] for g in kept["search"]["fleet"]["groups"]] == [1, 0]
+    got = torch.load(tmp_path / "b.pt")
     assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
     assert_same_params(got["params"], ref_params)

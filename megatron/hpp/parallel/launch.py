@@ -15,7 +15,8 @@ every rank's host with the plan's node layout; :func:`gather_hosts` collects the
 * no cluster node is split over hosts (a node's ranks all on one host);
 * one host may hold several consecutive whole nodes (a single machine emulating a
   cluster, as the CPU demo does);
-* on each host, LOCAL_RANK counts 0, 1, ... in rank order (local rank i drives device i).
+* on each host, LOCAL_RANK counts up by one in rank order, from 0 (from where the ranks start
+  when a fleet choice left the first ones of a host out); local rank i drives device i.
 
 The device *type* of each rank is compared with the plan separately (a warning in
 megatron.hpp.parallel.topology.build_topology).
@@ -95,11 +96,12 @@ def check_rank_order(cluster, hosts: Sequence[RankHost], where: str = "the plan'
                             f"{_span(node_ranks)}) is split over hosts: {split}; start one torchrun "
                             f"per node with --nproc-per-node {len(node_ranks)}, nodes in the order "
                             f"the cluster YAML lists them")
-    for host, block in seen.items():
+    for host, block in seen.items():   # from 0, or from where the ranks a fleet kept start
         local = [by_rank[r].local_rank for r in block]
-        if local != list(range(len(block))):
+        first = min(local)
+        if local != list(range(first, first + len(block))):
             raise SpecError(f"host {host}: ranks {_span(block)} have LOCAL_RANK {local}, expected "
-                            f"0-{len(block) - 1} in rank order")
+                            f"{first}-{first + len(block) - 1} in rank order")
 
 
 def expected_node_order(cluster) -> list[str]:

@@ -563,7 +563,9 @@ def run(cfg: TrainConfig) -> int:
             if cfg.startup is not None:
                 from megatron.hpp.training.startup_plan import plan_at_startup
 
-                plan = plan_at_startup(cfg.startup, cfg.save, cfg.distributed_timeout_minutes)
+                plan, trains = plan_at_startup(cfg.startup, cfg.save, cfg.distributed_timeout_minutes)
+                if not trains:   # the fleet choice leaves this rank out (rank 0 said which)
+                    return 0
             _, layout, rank = prepare(cfg, plan)
     except SpecError as exc:
         report_error(str(exc))   # every rank finds it, one prints it

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eth.errors import SpecError
+from eth.planner.fleet import FleetOptions
 from eth.spec.plan_history import (HISTORY_FILE, PLAN_FILE, PLANS_DIR, PROGRESS_FILE, describe_membership,
                                    read_history)
 
@@ -74,6 +75,11 @@ class PlanRequest:
     grad_reduce: str = "fp32"
     time_limit: float = 0.0
     """Seconds for the search, 0 = none."""
+    objective: str = ""
+    """The fleet choice (``eth.planner.fleet``): "throughput" or "cost" lets the plan leave
+    nodes out (their ranks exit, :func:`regroup`); "" plans for every rank started."""
+    min_throughput: float = 0.0
+    max_cost_per_hour: float = 0.0
 
     def identity(self) -> dict:
         """What a stored plan must have been made for to be used again: the request with
@@ -179,7 +185,8 @@ def stored_plan(save: str | None, made: dict, key: str, cluster=None):
     startup = plan.search.get("startup") or {}
     if startup == made:
         return plan
-    if (cluster is None or startup.get("request") != made["request"]
+    if (cluster is None or plan.search.get("fleet")   # a fleet's nodes are chosen in rank order: search again
+            or startup.get("request") != made["request"]
             or sorted(startup.get("membership") or []) != sorted(made["membership"])):
         return None
     return moved_ranks(plan, startup["membership"], made, cluster)
@@ -276,8 +283,90 @@ def search_for(request: PlanRequest, cluster):
                             request.model_overrides)
     options = SearchOptions(gbs=request.gbs, time_limit=request.time_limit, progress=False,
                             setup=TrainSetup(request.precision, request.zero_stage, request.grad_reduce))
+    fleet = None
+    if request.objective:
+        fleet = FleetOptions(request.objective, min_throughput=request.min_throughput,
+                             max_cost_per_hour=request.max_cost_per_hour)
+        cluster = merged_nodes(cluster)
     return plan_job(model, cluster, request.profiles, options, flag="--hpp-profiles",
-                    instead="or drop --hpp-profiles (analytic estimates)")
+                    instead="or drop --hpp-profiles (analytic estimates)", fleet=fleet)
+
+
+def merged_nodes(cluster):
+    """``cluster`` (one node group per node, :func:`present_cluster`) with runs of alike
+    consecutive nodes in one group each: the same ranks, and the fleet choice weighs how
+    many of a run to use instead of each node on its own."""
+    from dataclasses import replace
+
+    groups = []
+    for g in cluster.nodes:
+        if groups and replace(groups[-1], count=1) == replace(g, count=1):
+            groups[-1] = replace(groups[-1], count=groups[-1].count + g.count)
+        else:
+            groups.append(g)
+    return replace(cluster, nodes=groups, types=dict(cluster.types), zone_links=list(cluster.zone_links))
+
+
+def kept_ranks(plan, world: int) -> list[int]:
+    """The ranks started (0 .. ``world`` - 1) that ``plan`` uses, in its rank order: every
+    rank when the plan has no fleet record, else the first ``used`` nodes of each node
+    group (``plan.search.fleet.groups``, in the order of the ranks started)."""
+    groups = (plan.search.get("fleet") or {}).get("groups")
+    if not groups or plan.world_size == world:
+        return list(range(world))
+    kept, start = [], 0
+    for g in groups:
+        kept += range(start, start + g["used"] * g["devices_per_node"])
+        start += g["available"] * g["devices_per_node"]
+    return kept
+
+
+_STORE = []
+"""The rendezvous store of the ranks a plan keeps (:func:`regroup`), served by their first
+rank's process for as long as it lives."""
+
+
+def regroup(plan, rank: int) -> bool:
+    """Collective over the default group of every rank started: when ``plan`` leaves ranks
+    out (:func:`kept_ranks`), the group is torn down, the ranks left out return False (they
+    exit), and the ones kept are numbered as the plan numbers them (RANK, WORLD_SIZE) with a
+    new rendezvous store served by the first of them (MASTER_ADDR, MASTER_PORT; the launcher's
+    agent store flag on, so the default group joins it as a client); the training loop
+    then starts its default group as usual.  True: this rank trains."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    kept = kept_ranks(plan, world)
+    if len(kept) == world:
+        return True
+    where = None
+    if rank == kept[0]:
+        addr = _reachable_address()
+        store = dist.TCPStore(addr, 0, len(kept), True, wait_for_workers=False)
+        _STORE.append(store)
+        where = (addr, store.port)
+    found = [None] * world
+    dist.all_gather_object(found, where)
+    dist.destroy_process_group()
+    if rank not in kept:
+        return False
+    os.environ.update(RANK=str(kept.index(rank)), WORLD_SIZE=str(len(kept)), MASTER_ADDR=found[kept[0]][0],
+                      MASTER_PORT=str(found[kept[0]][1]), TORCHELASTIC_USE_AGENT_STORE="True")
+    return True
+
+
+def _reachable_address() -> str:
+    """This host's address on the route to the launcher's MASTER_ADDR (the loopback
+    address when that is this host)."""
+    import socket
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(master), 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name: str | None = None):
@@ -319,12 +408,20 @@ def startup_plan(request: PlanRequest, save: str | None, rank: int, device_name:
         gone = "" if lost is None else f"; {lost} iteration(s) since the last checkpoint lost"
         print(f"plan at start-up: {how}, {describe_membership(now)}{change}, predicted "
               f"{plan.predicted['iteration_ms']:.1f} ms per iteration{gone}", flush=True)
+        from eth.report.tables import format_ranks
+
+        kept = kept_ranks(plan, len(members))
+        if len(kept) < len(members):
+            out = sorted(set(range(len(members))) - set(kept))
+            print(f"plan at start-up: the fleet choice ({plan.search['fleet']['objective']}) uses "
+                  f"{len(kept)} of {len(members)} ranks; ranks {format_ranks(out)} are left out and exit", flush=True)
     return plan
 
 
 def plan_at_startup(request: PlanRequest, save: str | None, timeout_minutes: float):
     """The default group (the launcher's RANK / WORLD_SIZE / MASTER_*), then
-    :func:`startup_plan` for the ranks present."""
+    :func:`startup_plan` for the ranks present and :func:`regroup`: returns (the plan,
+    whether this rank trains it)."""
     from megatron.hpp import compat
     from megatron.hpp.parallel.launch import env_int, init_default_group
 
@@ -333,4 +430,5 @@ def plan_at_startup(request: PlanRequest, save: str | None, timeout_minutes: flo
         raise SpecError(f"WORLD_SIZE {world} needs MASTER_ADDR and MASTER_PORT (torchrun sets them)")
     backend = compat.select_backend(env_int("LOCAL_RANK", 0))
     init_default_group(backend.name, rank, world, timeout_minutes)
-    return startup_plan(request, save, rank, compat.device_name(backend))
+    plan = startup_plan(request, save, rank, compat.device_name(backend))
+    return plan, regroup(plan, rank)
