@@ -7,7 +7,8 @@ devices the choice uses of those available, samples/s of both and their ratio (>
 leaving devices out never loses), USD/h where the cluster has prices, and the search times
 with their ratio (the target on mixed4-256: at most 3).  Writes
 bench/results/fleet_choice.json (with ``--update-results``; else out/bench/) and
-fleet_choice.md, the table docs/EVALUATION.md shows.
+fleet_choice.md; with ``--update-results`` also the table of docs/EVALUATION.md ("Which
+devices to use").
 
     python bench/fleet_choice.py                       # every case (about 3 minutes on 2 cores)
     python bench/fleet_choice.py --only mixed4-256 --repeat 3
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.run_context import ROOT, add_output_args, commit, loadavg, output_path  # noqa: E402
+from bench.run_context import ROOT, add_output_args, commit, loadavg, output_path, write_doc_section  # noqa: E402
 
 CLUSTERS = ROOT / "examples" / "clusters"
 SLOW_ZONE = {"inter_zone_gbps": 1}
@@ -129,6 +130,10 @@ def main(argv=None) -> int:
     md = out.with_suffix(".md")
     md.write_text(markdown(rows, header))
     print(f"wrote {out} and {md}")
+    if args.update_results and not args.out and args.only is None:
+        write_doc_section("fleet_choice", markdown(rows, "(`python bench/fleet_choice.py --update-results`; the run's "
+                                                         "date, commit and load: bench/results/fleet_choice.md)"))
+        print("wrote docs/EVALUATION.md's table")
     return 0
 
 

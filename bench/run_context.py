@@ -56,3 +56,14 @@ def output_path(args, relative: str) -> Path:
         return Path(args.out)
     base = ROOT / "bench" / "results" if args.update_results else ROOT / "out" / "bench"
     return base / relative
+
+
+def write_doc_section(name: str, text: str, doc: Path = ROOT / "docs" / "EVALUATION.md") -> None:
+    """Replace what lies between ``<!-- begin NAME -->`` and ``<!-- end NAME -->`` in ``doc``
+    with ``text``: a table docs/EVALUATION.md shows, written by the bench that measured it."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    body = doc.read_text()
+    if begin not in body or end not in body:
+        raise SystemExit(f"{doc} has no {begin} ... {end} section to write")
+    head, rest = body.split(begin, 1)
+    doc.write_text(head + begin + "\n" + text.rstrip("\n") + "\n" + end + rest.split(end, 1)[1])
