@@ -133,7 +133,9 @@ def _main(argv=None) -> int:
               f"{', '.join(added)}", file=sys.stderr)
     print(format_plan_table(plan))
     print(format_search_line(plan))
-    print(format_fleet_line(plan))
+    fleet_line = format_fleet_line(plan)
+    if fleet_line:
+        print(fleet_line)
     if args.pareto:
         from eth.report.fleet import write_frontier
 

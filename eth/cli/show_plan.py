@@ -28,6 +28,7 @@ from eth.cost.model import CostModel
 from eth.errors import SpecError
 from eth.spec.plan import load_plan
 from eth.profiles.db import ProfileDB
+from eth.report.fleet import format_fleet_line
 from eth.report.tables import format_legend, format_plan_table, format_sim_summary, stage_label
 from eth.report.simulate import simulate
 
@@ -98,6 +99,9 @@ def _main(argv=None) -> int:
         print(f"  (analytic roofline profiles generated for: {', '.join(analytic)})")
     if where and where == recorded_path and not args.profiles:
         print(f"  (profiles: {where}, the ones the plan was searched with)")
+    fleet = format_fleet_line(plan)
+    if fleet:
+        print(fleet)
     print()
     result = simulate(plan, cost_model)
     print(format_sim_summary(plan, result))
