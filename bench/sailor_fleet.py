@@ -22,8 +22,9 @@ its planner's estimate, its simulator's figures and the search time
   here) and scores it in our model.
 
 Printed per row: iterations/s and USD per iteration of Sailor's plan in our model and by
-Sailor's own simulator, of ours in our model, and both search times.  Scoring our plans in
-Sailor's simulator needs our multi-pipeline plans in its format: not done here.
+Sailor's own simulator, of ours in our model, and both search times.  The JSON keeps our
+plans in Sailor's format where it can hold them (one pipeline, one dp for all stages:
+:func:`sailor_format`), which ``bench/sailor_simulate.py`` scores with Sailor's simulator.
 
     python bench/sailor_fleet.py --sailor CHECKOUT --results het=DIR/fig8b geo=DIR/fig10 \\
         cost=DIR/fig11 budget=DIR/fig12 homogeneous=DIR/fig8a [--update-results]
@@ -157,6 +158,32 @@ def sailor_plan(row: dict, cluster: Cluster, model: ModelSpec, setup: TrainSetup
     return plan
 
 
+def sailor_format(plan: Plan) -> dict:
+    """``plan`` as Sailor's planner writes a plan (``pipeline_list`` of one pipeline,
+    ``tmp_per_stage`` [[[gpu, tp, zone]], tp] per dp replica, layer 0 the embedding and
+    L + 1 the last layer; ``mbs`` per replica), for Sailor's simulator; SpecError where
+    its format cannot hold it (Sailor runs one mbs and micro-batch count for all)."""
+    if len(plan.pipelines) != 1:
+        raise SpecError(f"{len(plan.pipelines)} pipelines (Sailor's simulator runs one mbs and batch share for all)")
+    pipe = plan.pipelines[0]
+    if len({s.dp for s in pipe.stages}) != 1 or any(s.ops for s in pipe.stages):
+        raise SpecError("stages of different dp or cut inside layers")
+    names = {ours: gpu for gpu, (ours, _) in DEVICES.items()}
+    last = plan.model.num_layers + 1
+    stages, layers = [], []
+    for j, st in enumerate(pipe.stages):
+        reps = [st.replica(d) for d in range(st.dp)]
+        stages.append([[[[names[st.device_type], st.tp, plan.cluster.zone_of(r[0])]], st.tp] for r in reps])
+        layers.append(([0] if j == 0 else []) + list(range(st.layers[0] + 1, st.layers[1] + 1))
+                      + ([last] if j == len(pipe.stages) - 1 else []))
+    used: dict = {}
+    for d in plan.cluster.devices:
+        used[names[d.type]] = used.get(names[d.type], 0) + 1
+    return {"pipeline_list": [{"num_stages": len(stages), "layers_per_stage": layers, "tmp_per_stage": stages,
+                               "dp": [pipe.stages[0].dp] * len(stages)}],
+            "mbs": pipe.mbs // pipe.stages[0].dp, "used_gpus": used}
+
+
 def run_row(name: str, index: int, row: dict, sailor: Sailor, model, setup, db, jobs: int) -> dict:
     objective, min_its, max_usd = SCENARIOS[name]
     cluster = cluster_of(sailor, row["num_gpus"])
@@ -184,6 +211,10 @@ def run_row(name: str, index: int, row: dict, sailor: Sailor, model, setup, db, 
                    "it_s": 1e3 / plan.predicted["iteration_ms"],
                    "usd_per_it": rates["cost_per_hour"] * plan.predicted["iteration_ms"] / 3.6e6,
                    "search_s": time.perf_counter() - start, "pipelines": len(plan.pipelines)}
+    try:
+        out["ours"]["sailor_plan"] = sailor_format(plan)
+    except SpecError as exc:
+        out["ours"]["sailor_plan_not_written"] = str(exc)
     if max_usd:
         out["ours"]["within_budget"] = out["ours"]["usd_per_it"] <= max_usd
     return out
