@@ -16,7 +16,6 @@ devices to use").
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.run_context import ROOT, add_output_args, commit, loadavg, output_path, write_doc_section  # noqa: E402
+from bench.run_context import ROOT, add_output_args, commit, loadavg, write_results  # noqa: E402
 
 CLUSTERS = ROOT / "examples" / "clusters"
 SLOW_ZONE = {"inter_zone_gbps": 1}
@@ -124,16 +123,9 @@ def main(argv=None) -> int:
     command = "python bench/fleet_choice.py " + " ".join(sys.argv[1:] if argv is None else argv)
     header = (f"    {when}  {command.strip()}  # commit {commit()}, load {loadavg()}, jobs {args.jobs}, "
               f"median of {args.repeat}")
-    out = output_path(args, "fleet_choice.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
-    md = out.with_suffix(".md")
-    md.write_text(markdown(rows, header))
-    print(f"wrote {out} and {md}")
-    if args.update_results and not args.out and args.only is None:
-        write_doc_section("fleet_choice", markdown(rows, "(`python bench/fleet_choice.py --update-results`; the run's "
-                                                         "date, commit and load: bench/results/fleet_choice.md)"))
-        print("wrote docs/EVALUATION.md's table")
+    write_results(args, "fleet_choice", rows, header, markdown,
+                  "(`python bench/fleet_choice.py --update-results`; the run's date, commit and load: "
+                  "bench/results/fleet_choice.md)", whole=args.only is None)
     return 0
 
 

@@ -67,3 +67,20 @@ def write_doc_section(name: str, text: str, doc: Path = ROOT / "docs" / "EVALUAT
         raise SystemExit(f"{doc} has no {begin} ... {end} section to write")
     head, rest = body.split(begin, 1)
     doc.write_text(head + begin + "\n" + text.rstrip("\n") + "\n" + end + rest.split(end, 1)[1])
+
+
+def write_results(args, name: str, rows: list, header: str, markdown, doc_note: str, whole: bool = True) -> None:
+    """A bench's ``<name>.json`` (header and rows) and ``<name>.md`` (``markdown(rows, header)``)
+    where :func:`output_path` puts them; with ``--update-results`` (and no ``--out``) also
+    docs/EVALUATION.md's ``name`` section, headed by ``doc_note`` (the command) instead of
+    the run's date, commit and load; not when the run is not ``whole`` (a subset of its cases)."""
+    import json
+
+    out = output_path(args, f"{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, header))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    if args.update_results and not args.out and whole:
+        write_doc_section(name, markdown(rows, doc_note))
+        print(f"wrote docs/EVALUATION.md's {name} table")

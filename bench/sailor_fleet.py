@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.measured_runs import load_data, profile  # noqa: E402
-from bench.run_context import add_output_args, commit, loadavg, output_path, write_doc_section  # noqa: E402
+from bench.run_context import add_output_args, commit, loadavg, write_results  # noqa: E402
 from eth.cost.model import CostModel  # noqa: E402
 from eth.cost.price import plan_rates  # noqa: E402
 from eth.errors import InfeasibleError, SpecError  # noqa: E402
@@ -273,15 +273,9 @@ def main(argv=None) -> int:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = (f"    {when}  python bench/sailor_fleet.py --sailor CHECKOUT --results ...  # commit {commit()}, "
               f"load {loadavg()}, jobs {args.jobs}")
-    out = output_path(args, "sailor_fleet.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(rows, header))
-    if args.update_results and not args.out:
-        write_doc_section("sailor_fleet", markdown(rows, "(`python bench/sailor_fleet.py --sailor CHECKOUT --results "
-                                                         "...`; the run's date, commit and load: "
-                                                         "bench/results/sailor_fleet.md)"))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_results(args, "sailor_fleet", rows, header, markdown,
+                  "(`python bench/sailor_fleet.py --sailor CHECKOUT --results ...`; the run's date, commit and "
+                  "load: bench/results/sailor_fleet.md)")
     return 0
 
 

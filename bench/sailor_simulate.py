@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.run_context import ROOT, add_output_args, commit, loadavg, output_path, write_doc_section  # noqa: E402
+from bench.run_context import ROOT, add_output_args, commit, loadavg, write_results  # noqa: E402
 
 SIM = "sailor/Planner/simulations"
 PRICE_ZONE = "europe-west4-a"
@@ -76,15 +76,9 @@ def main(argv=None) -> int:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = (f"    {when}  PYTHONPATH=CHECKOUT:. python bench/sailor_simulate.py --sailor CHECKOUT  "
               f"# commit {commit()}, load {loadavg()}")
-    out_path = output_path(args, "sailor_simulate.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
-    out_path.with_suffix(".md").write_text(markdown(rows, header))
-    if args.update_results and not args.out:
-        write_doc_section("sailor_simulate", markdown(rows, "(`PYTHONPATH=CHECKOUT:. python bench/sailor_simulate.py "
-                                                            "--sailor CHECKOUT --update-results`; the run's date, "
-                                                            "commit and load: bench/results/sailor_simulate.md)"))
-    print(f"wrote {out_path} and {out_path.with_suffix('.md')}")
+    write_results(args, "sailor_simulate", rows, header, markdown,
+                  "(`PYTHONPATH=CHECKOUT:. python bench/sailor_simulate.py --sailor CHECKOUT --update-results`; "
+                  "the run's date, commit and load: bench/results/sailor_simulate.md)")
     return 0
 
 

@@ -200,8 +200,7 @@ class FleetChoice:
         return 1e3 * per_ms / self.model.num_layers
 
     def _price(self, counts) -> float:
-        return sum(k * g.devices_per_node * (g.price_per_hour or self.cluster.types[g.type].price_per_hour)
-                   for g, k in zip(self.cluster.nodes, counts))
+        return sum(k * g.devices_per_node * self.cluster.group_price(g) for g, k in zip(self.cluster.nodes, counts))
 
     # ------------------------------------------------------------------ ranking
     def _key(self, p: FleetPoint) -> tuple:

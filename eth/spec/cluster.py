@@ -266,16 +266,19 @@ class Cluster:
 
     @functools.cached_property
     def _prices(self) -> list[float]:
-        return [g.price_per_hour or self.types[g.type].price_per_hour for g in self.nodes for _ in range(g.count)]
+        return [self.group_price(g) for g in self.nodes for _ in range(g.count)]
+
+    def group_price(self, group: NodeGroup) -> float:
+        """USD per device-hour of a node group's devices: its own price, else its type's (0: none)."""
+        return group.price_per_hour or self.types[group.type].price_per_hour
 
     def unpriced_types(self) -> list[str]:
         """The device types some of whose nodes have no price (sorted)."""
-        return sorted({g.type for g in self.nodes if not (g.price_per_hour or self.types[g.type].price_per_hour)})
+        return sorted({g.type for g in self.nodes if not self.group_price(g)})
 
     def devices_per_hour_usd(self) -> float:
         """USD per hour of every device of the cluster."""
-        return sum(g.count * g.devices_per_node * (g.price_per_hour or self.types[g.type].price_per_hour)
-                   for g in self.nodes)
+        return sum(g.count * g.devices_per_node * self.group_price(g) for g in self.nodes)
 
     def subset(self, counts) -> "Cluster":
         """The cluster with ``counts[i]`` of node group i's nodes (the first ones; 0 drops
